@@ -1,0 +1,124 @@
+"""accutrain's steady-state samples/s against the minimal hand-written accumulation loop, in one process.
+
+Both loops train the same model (same seed), on the same dataset, with the same micro_batch × accum split and
+the same optimizer. The hand-written loop is the textbook one:
+
+    loss = cross_entropy(model(x), y) / accum;  loss.backward()
+    if (i + 1) % accum == 0: optimizer.step(); optimizer.zero_grad()
+
+accutrain runs its whole recipe (window sampler, exact normalisation, grad-norm, scheduler, metrics.jsonl,
+progress bar). Runs alternate (hand, accutrain, hand, …) so that machine noise hits both; the first steps of
+each run are warm-up and not timed. Prints the per-round figures, the medians and their ratio.
+
+    python scripts/bench_overhead.py                                   # resnet18 on digits, 32 × 4
+    python scripts/bench_overhead.py --rounds 7 model=mlp micro_batch=8 accum=8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from accutrain.cli import config_dir
+from accutrain.config import register_schemas
+from accutrain.models import build_model
+from accutrain.train import factory_kwargs, fit, setup
+from accutrain.metrics import MetricsLog
+
+
+def compose_config(overrides: list[str]):
+    register_schemas()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
+    """Samples per second from the end of step `warmup` to the end of the last step."""
+    return sum(samples[warmup + 1 :]) / (times[-1] - times[warmup])
+
+
+def hand_written(cfg, steps: int, warmup: int) -> float:
+    make_data, data_kwargs = factory_kwargs("data", cfg.data, "num_workers")
+    datasets = make_data(**data_kwargs)
+    torch.manual_seed(cfg.seed)
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), datasets.sample_shape,
+                        datasets.num_classes)
+    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim)
+    optimizer = make_optimizer(model, **optim_kwargs)
+    accum = cfg.accum or 1
+    loader = DataLoader(datasets.train, batch_size=cfg.micro_batch, shuffle=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    times, samples, window = [], [], 0
+    model.train()
+    while len(times) < steps:
+        for i, (x, y) in enumerate(loader):
+            loss = F.cross_entropy(model(x), y) / accum
+            loss.backward()
+            window += len(y)
+            if (i + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+                times.append(time.perf_counter())
+                samples.append(window)
+                window = 0
+                if len(times) == steps:
+                    break
+    return steady_rate(times, samples, warmup)
+
+
+def accutrain_loop(cfg, steps: int, warmup: int) -> float:
+    cfg = cfg.copy()
+    cfg.trainer.epochs, cfg.trainer.max_steps, cfg.trainer.eval_every = None, steps, 10**9
+    r = setup(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = MetricsLog(Path(tmp) / "metrics.jsonl")
+        fit(r, metrics)
+        metrics.close()
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    return steady_rate([r["time"] for r in records], [r["samples"] for r in records], warmup)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=5, help="first optimizer steps not timed")
+    ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
+    args = ap.parse_args()
+    overrides = args.overrides or ["accum=4"]
+    cfg = compose_config(["trainer.device=cpu", *overrides])
+    logging.basicConfig(level=logging.WARNING)
+
+    print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads, MALLOC_ARENA_MAX="
+          f"{os.environ.get('MALLOC_ARENA_MAX', '-')} MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', '-')}")
+    print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed")
+    hand, ours = [], []
+    for r in range(args.rounds):
+        hand.append(hand_written(cfg, args.steps, args.warmup))
+        ours.append(accutrain_loop(cfg, args.steps, args.warmup))
+        print(f"round {r + 1}: hand-written {hand[-1]:8.1f} samples/s   accutrain {ours[-1]:8.1f} samples/s   "
+              f"ratio {ours[-1] / hand[-1]:.3f}")
+    ratios = [o / h for o, h in zip(ours, hand)]
+    print(f"median: hand-written {statistics.median(hand):.1f} samples/s, accutrain {statistics.median(ours):.1f} "
+          f"samples/s; accutrain / hand-written = {statistics.median(ratios):.3f} (median of per-round ratios)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from accutrain.cli import main
+
+main()

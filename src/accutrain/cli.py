@@ -1,0 +1,49 @@
+"""The `accutrain` console entry point: Hydra composes the typed config, a user error ends in one line."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from accutrain.config import register_schemas
+from accutrain.errors import UserError
+
+log = logging.getLogger("accutrain")
+
+
+def config_dir() -> Path:
+    """The configs: inside the package in a wheel, at the repository's top level in an editable install."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parent.parent / "configs"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise RuntimeError(f"accutrain's configs are missing (looked in {here / 'configs'}): reinstall accutrain")
+
+
+register_schemas()
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def _train(cfg: DictConfig) -> None:
+    from accutrain.train import train  # imported here so that `--help` and config errors stay fast
+
+    try:
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except UserError as e:
+        log.error(str(e))
+        sys.exit(2)
+
+
+def main() -> None:
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # user plug-ins (`_target_`) import from the working directory, as with -m
+    _train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The typed config schema (dataclasses in Hydra's ConfigStore) and the checks Hydra cannot do.
+
+Every built-in group option (`configs/model/*.yaml`, …) starts from one of these schemas, so an unknown key
+or a wrong type is refused by name when Hydra composes the config, before anything runs.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+
+from accutrain.errors import UserError
+
+
+class LastWindow(enum.Enum):
+    step = "step"  # step on the incomplete last window of an epoch, normalised by its real size
+    drop = "drop"  # drop it
+
+
+# --- model/ -------------------------------------------------------------------------------------------
+# `_target_` is the factory; every other key is a keyword argument of it, except those in MODEL_KEYS_NOT_ARGS.
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class TorchvisionModel(ModelConfig):
+    _target_: str = "accutrain.models.torchvision_classifier"
+    name: str = MISSING  # any name in torchvision.models.list_models()
+    pretrained: bool = False
+    small_input: Optional[bool] = None  # 3x3 stride-1 stem without max-pool; null: when images are <= 32 px
+
+
+@dataclass
+class MLPModel(ModelConfig):
+    _target_: str = "accutrain.models.mlp"
+    hidden: List[int] = field(default_factory=lambda: [256, 256])
+    dropout: float = 0.0
+
+
+@dataclass
+class CNNModel(ModelConfig):
+    _target_: str = "accutrain.models.cnn"
+    channels: List[int] = field(default_factory=lambda: [32, 64])
+    dropout: float = 0.0
+
+
+# --- data/ --------------------------------------------------------------------------------------------
+# `_target_` returns an accutrain.data.Datasets; num_workers is the loader's, not the factory's.
+@dataclass
+class DataConfig:
+    _target_: str = MISSING
+    num_workers: int = 0
+
+
+@dataclass
+class DigitsData(DataConfig):
+    _target_: str = "accutrain.data.digits"
+
+
+@dataclass
+class SyntheticData(DataConfig):
+    _target_: str = "accutrain.data.synthetic"
+    size: int = 1000  # training samples
+    val_size: int = 200
+    image_size: int = 16
+    num_classes: int = 10
+    channels: int = 3
+    noise: float = 1.0
+    seed: int = II("seed")
+
+
+@dataclass
+class TorchvisionData(DataConfig):
+    _target_: str = "accutrain.data.torchvision_dataset"
+    name: str = MISSING  # cifar10 | mnist
+    root: str = "data"
+    download: bool = False
+
+
+@dataclass
+class ImageFolderData(DataConfig):
+    _target_: str = "accutrain.data.image_folder"
+    root: str = MISSING
+    image_size: int = 224
+    channels: int = 3
+
+
+# --- optim/ and sched/ --------------------------------------------------------------------------------
+@dataclass
+class OptimConfig:
+    _target_: str = MISSING
+    lr: float = MISSING
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDOptim(OptimConfig):
+    _target_: str = "accutrain.optim.sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+
+
+@dataclass
+class AdamWOptim(OptimConfig):
+    _target_: str = "accutrain.optim.adamw"
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class SchedConfig:
+    _target_: str = MISSING
+    warmup_steps: int = 0
+
+
+@dataclass
+class ConstantSched(SchedConfig):
+    _target_: str = "accutrain.sched.constant"
+
+
+@dataclass
+class CosineSched(SchedConfig):
+    _target_: str = "accutrain.sched.cosine"
+    min_lr_ratio: float = 0.0  # final lr as a fraction of the peak lr
+
+
+# --- trainer and the top level ------------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    epochs: Optional[int] = 5
+    max_steps: Optional[int] = None  # optimizer steps; training stops at whichever of the two comes first
+    last_window: LastWindow = LastWindow.step
+    grad_clip: Optional[float] = None  # max global gradient norm, applied once per optimizer step
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_every: Optional[int] = None  # optimizer steps between evaluations; null: at the end of every epoch
+    eval_batch: Optional[int] = None  # null: micro_batch
+    log_every: int = 10  # optimizer steps between log lines in train.log (metrics.jsonl gets every step)
+    progress: bool = True  # the tqdm bar (counts optimizer steps)
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: Any = MISSING
+    sched: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
+    # OmegaConf, explains a bad value (see validate).
+    micro_batch: Any = 32
+    accum: Any = None  # null: derived from global_batch, else 1
+    devices: Any = 1
+    global_batch: Any = None
+    seed: int = 0
+
+
+SCHEMAS = {
+    (None, "train_schema"): TrainConfig,
+    ("model", "torchvision_schema"): TorchvisionModel,
+    ("model", "mlp_schema"): MLPModel,
+    ("model", "cnn_schema"): CNNModel,
+    ("data", "digits_schema"): DigitsData,
+    ("data", "synthetic_schema"): SyntheticData,
+    ("data", "torchvision_schema"): TorchvisionData,
+    ("data", "image_folder_schema"): ImageFolderData,
+    ("optim", "sgd_schema"): SGDOptim,
+    ("optim", "adamw_schema"): AdamWOptim,
+    ("sched", "constant_schema"): ConstantSched,
+    ("sched", "cosine_schema"): CosineSched,
+}
+
+
+def register_schemas() -> None:
+    """Put the schemas in Hydra's ConfigStore (idempotent); the yaml files name them in their defaults."""
+    cs = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        cs.store(group=group, name=name, node=node)
+
+
+def load_target(key: str, target: str) -> Callable[..., Any]:
+    """The callable a `_target_` names (module.attribute); one clear line when it cannot be imported."""
+    parts = target.split(".")
+    first_error: Optional[ImportError] = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError as e:
+            first_error = first_error or e
+            continue
+        for j, attr in enumerate(parts[i:]):
+            if not hasattr(obj, attr):
+                raise UserError(f"{key}={target}: {'.'.join(parts[: i + j])} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        if not callable(obj):
+            raise UserError(f"{key}={target} is not callable: expected a class or function")
+        return obj
+    raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
+
+
+def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
+    """Refuse anything but a positive int (or one of `allow`) with one line naming key, value and what is valid."""
+    value = cfg[key]
+    if value in allow:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = " or ".join(["a positive integer", *("null" if a is None else str(a) for a in allow)])
+        raise UserError(f"{key}={value!r} is not valid: expected {valid} (e.g. {key}=8)")
+
+
+def validate(cfg: DictConfig) -> None:
+    """The checks a type cannot express; batch arithmetic is checked by plan.make_plan."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"{', '.join(missing)} must be set: add {' '.join(k + '=…' for k in missing)} to the command")
+    positive_int(cfg, "micro_batch")
+    positive_int(cfg, "accum", allow=(None,))
+    positive_int(cfg, "global_batch", allow=(None,))
+    positive_int(cfg, "devices", allow=("auto",))
+    t = cfg.trainer
+    if t.epochs is None and t.max_steps is None:
+        raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
+    for key in ("epochs", "max_steps", "eval_every", "eval_batch"):
+        if t[key] is not None and t[key] < 1:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null")
+    if t.log_every < 1:
+        raise UserError(f"trainer.log_every={t.log_every} is not valid: expected a positive integer")
+    if t.grad_clip is not None and t.grad_clip <= 0:
+        raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
+    if cfg.data.num_workers < 0:
+        raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
+    if cfg.sched.warmup_steps < 0:
+        raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
+    if cfg.optim.lr <= 0:
+        raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")

@@ -1,0 +1,196 @@
+"""Datasets (each a factory selected by `data=`, returning train and held-out splits) and their loaders."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from accutrain.errors import UserError
+
+
+@dataclass
+class Datasets:
+    """What a `data` factory returns: two splits of (image tensor C×H×W, int label) pairs and their shape."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    sample_shape: tuple[int, int, int]  # channels, height, width
+    description: str
+
+
+class InMemory(Dataset):
+    """Images and labels held as two tensors."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        assert len(images) == len(labels)
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.images[i], int(self.labels[i])
+
+
+def digits() -> Datasets:
+    """The UCI handwritten digits that ship with accutrain (1,797 8×8 images, fixed 359-image held-out split)."""
+    with resources.files("accutrain").joinpath("assets/digits.npz").open("rb") as f:
+        npz = np.load(f)
+        images = torch.from_numpy(npz["images"].astype(np.float32) / 16.0).unsqueeze(1)
+        labels = torch.from_numpy(npz["labels"].astype(np.int64))
+        val = torch.from_numpy(npz["val"])
+    mean, std = images[~val].mean(), images[~val].std()
+    images = (images - mean) / std
+    return Datasets(
+        train=InMemory(images[~val], labels[~val]),
+        val=InMemory(images[val], labels[val]),
+        num_classes=10,
+        sample_shape=(1, 8, 8),
+        description="digits (UCI optdigits, CC BY 4.0)",
+    )
+
+
+class Synthetic(Dataset):
+    """Sample i is a smooth class prototype plus Gaussian noise drawn from a generator seeded by (seed, i)."""
+
+    def __init__(self, prototypes: torch.Tensor, labels: torch.Tensor, noise: float, seed: int, offset: int):
+        self.prototypes, self.labels, self.noise, self.seed, self.offset = prototypes, labels, noise, seed, offset
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + i)
+        y = int(self.labels[i])
+        x = self.prototypes[y] + self.noise * torch.randn(self.prototypes.shape[1:], generator=g)
+        return x, y
+
+
+SYNTHETIC_IN_MEMORY_BYTES = 256 * 2**20  # larger synthetic sets are generated per sample, on demand
+
+
+def synthetic(
+    size: int, val_size: int, image_size: int, num_classes: int, channels: int, noise: float, seed: int
+) -> Datasets:
+    """Generated images whose label is learnable from their content; the same seed gives the same data."""
+    for key, value in dict(size=size, val_size=val_size, image_size=image_size, num_classes=num_classes,
+                           channels=channels).items():
+        if value < 1:
+            raise UserError(f"data.{key}={value} is not valid: expected a positive integer")
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
+    prototypes = F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
+    labels = torch.randint(num_classes, (size + val_size,), generator=g)
+    train = Synthetic(prototypes, labels[:size], noise, seed, offset=0)
+    val = Synthetic(prototypes, labels[size:], noise, seed, offset=size)
+    if (size + val_size) * prototypes[0].numel() * 4 <= SYNTHETIC_IN_MEMORY_BYTES:  # generate once, hold it
+        train, val = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.labels) for d in (train, val))
+    return Datasets(train, val, num_classes, (channels, image_size, image_size),
+                    f"synthetic ({num_classes} classes, seed {seed})")
+
+
+_TORCHVISION = {
+    "cifar10": dict(cls="CIFAR10", folder="cifar-10-batches-py", shape=(3, 32, 32), classes=10,
+                    mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), size="170 MB"),
+    "mnist": dict(cls="MNIST", folder="MNIST/raw", shape=(1, 28, 28), classes=10,
+                  mean=(0.1307,), std=(0.3081,), size="12 MB"),
+}
+
+
+def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
+    """CIFAR-10 or MNIST through torchvision, from `root` (downloaded there when `download` is true)."""
+    if name not in _TORCHVISION:
+        raise UserError(f"data.name={name!r} is not valid: expected one of {', '.join(_TORCHVISION)}")
+    import torchvision
+    from torchvision import transforms as T
+
+    spec = _TORCHVISION[name]
+    root_path = Path(os.path.expanduser(root)).resolve()
+    transform = T.Compose([T.ToTensor(), T.Normalize(spec["mean"], spec["std"])])
+    cls = getattr(torchvision.datasets, spec["cls"])
+    try:
+        train = cls(str(root_path), train=True, transform=transform, download=download)
+        val = cls(str(root_path), train=False, transform=transform, download=download)
+    except RuntimeError as e:
+        if "not found" not in str(e).lower():
+            raise
+        raise UserError(
+            f"{name} not found in data.root={root_path} (looked for {root_path / spec['folder']}): "
+            f"add data.download=true to download it there ({spec['size']}), or point data.root at a copy"
+        ) from None
+    except OSError as e:  # download failed: no network, no write permission, ...
+        raise UserError(f"could not download {name} to {root_path}: {e}") from None
+    return Datasets(train, val, spec["classes"], spec["shape"], f"{name} ({root_path})")
+
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _to_rgb(image: Any) -> Any:
+    return image.convert("RGB")
+
+
+def image_folder(root: str, image_size: int, channels: int) -> Datasets:
+    """Images in `root/train/<class>/` and `root/val/<class>/`, resized and centre-cropped to image_size."""
+    if channels not in (1, 3):
+        raise UserError(f"data.channels={channels} is not valid for imagefolder: expected 1 or 3")
+    from torchvision import datasets as tvd
+    from torchvision import transforms as T
+
+    root_path = Path(os.path.expanduser(root)).resolve()
+    for split in ("train", "val"):
+        if not (root_path / split).is_dir():
+            raise UserError(
+                f"data.root={root_path}: no {split}/ folder there; imagefolder expects "
+                f"{root_path}/train/<class>/<image> and {root_path}/val/<class>/<image>"
+            )
+    mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if channels == 3 else ((0.5,), (0.5,))
+    transform = T.Compose([
+        T.Grayscale(1) if channels == 1 else T.Lambda(_to_rgb),
+        T.Resize(image_size),
+        T.CenterCrop(image_size),
+        T.ToTensor(),
+        T.Normalize(mean, std),
+    ])
+    splits = {}
+    for split in ("train", "val"):
+        try:
+            splits[split] = tvd.ImageFolder(str(root_path / split), transform=transform)
+        except FileNotFoundError:
+            raise UserError(
+                f"no images found under {root_path / split}: expected class folders holding "
+                f"{', '.join(IMAGE_EXTENSIONS)} files"
+            ) from None
+    train, val = splits["train"], splits["val"]
+    if train.classes != val.classes:
+        raise UserError(
+            f"{root_path}: train/ and val/ hold different classes ({len(train.classes)} vs {len(val.classes)}): "
+            "every class needs a folder in both"
+        )
+    return Datasets(train, val, len(train.classes), (channels, image_size, image_size),
+                    f"imagefolder ({root_path}, {len(train.classes)} classes)")
+
+
+def train_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0)
+
+
+def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0)
+
+
+def describe_split_sizes(ds: Datasets) -> str:
+    c, h, w = ds.sample_shape
+    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val, {c}×{h}×{w}, "
+            f"{ds.num_classes} classes")
+

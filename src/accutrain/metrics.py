@@ -1,0 +1,64 @@
+"""metrics.jsonl, the progress bar (it counts optimizer steps, never micro-batches) and the final summary."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+
+class MetricsLog:
+    """Appends one JSON object per line; each line is flushed so a running or killed run can be read."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a", buffering=1)  # line-buffered
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _LogLines:
+    """A file for tqdm when stderr is a log, not a terminal: every refresh becomes one plain line."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
+    """A bar over optimizer steps; in a log (stderr not a terminal) one line every 30 s at most, and the last."""
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, unit="step", disable=not enabled, dynamic_ncols=True,
+                file=sys.stderr if interactive else _LogLines(sys.stderr), mininterval=0.25 if interactive else 30.0)
+
+
+class ConsoleFormatter(logging.Formatter):
+    """`[hh:mm:ss] message`, with the level named when it is not INFO."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        return f"[{self.formatTime(record, '%H:%M:%S')}] {level}{record.getMessage()}"
+
+
+def summary_line(steps: int, samples: int, seconds: float, last_loss: Optional[float],
+                 best_acc: Optional[float], best_step: Optional[int]) -> str:
+    rate = samples / seconds if seconds > 0 else float("nan")
+    parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({rate:.0f} samples/s)"]
+    if last_loss is not None:
+        parts.append(f"last loss {last_loss:.4f}")
+    if best_acc is not None:
+        parts.append(f"best val_acc {best_acc:.4f} (step {best_step})")
+    return ", ".join(parts)

@@ -1,0 +1,147 @@
+"""Model factories selected by `model=`: torchvision classifiers by name, small mlp/cnn, or a user `_target_`."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from accutrain.config import load_target
+from accutrain.errors import UserError
+
+# Keys of the `model` config that accutrain applies itself instead of passing them to the factory.
+MODEL_KEYS_NOT_ARGS = {"_target_"}
+
+
+def mlp(num_classes: int, in_channels: int, image_size: int, hidden: list[int], dropout: float = 0.0) -> nn.Module:
+    """Flatten, then Linear+ReLU(+Dropout) per hidden width, then the classifier."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_channels * image_size * image_size
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+
+def cnn(num_classes: int, in_channels: int, channels: list[int], dropout: float = 0.0) -> nn.Module:
+    """3×3 conv+ReLU+2×2 max-pool per width, global average pool, classifier; takes any image size."""
+    layers: list[nn.Module] = []
+    prev = in_channels
+    for c in channels:
+        layers += [nn.Conv2d(prev, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True)]
+        prev = c
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()] + ([nn.Dropout(dropout)] if dropout else [])
+    return nn.Sequential(*layers, nn.Linear(prev, num_classes))
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _first(model: nn.Module, kind: type) -> tuple[str, nn.Module]:
+    return next((n, m) for n, m in model.named_modules() if isinstance(m, kind))
+
+
+def _adapt_input_channels(model: nn.Module, in_channels: int) -> None:
+    """Give the first convolution `in_channels` inputs; pretrained filters are summed/spread over them."""
+    name, conv = _first(model, nn.Conv2d)
+    if conv.in_channels == in_channels:
+        return
+    new = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                    conv.dilation, conv.groups, conv.bias is not None)
+    with torch.no_grad():  # keeps pretrained filters useful: their response to a grey image is unchanged
+        new.weight.copy_(conv.weight.sum(1, keepdim=True).expand_as(new.weight) / in_channels)
+        if conv.bias is not None:
+            new.bias.copy_(conv.bias)
+    _replace(model, name, new)
+
+
+def _replace_head(model: nn.Module, num_classes: int) -> None:
+    """Swap the last Linear layer (the classifier of every torchvision classifier but squeezenet) for a new one."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if linears:
+        name, head = linears[-1]
+        if head.out_features != num_classes:
+            _replace(model, name, nn.Linear(head.in_features, num_classes))
+        return
+    name, conv = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)][-1]  # squeezenet
+    _replace(model, name, nn.Conv2d(conv.in_channels, num_classes, conv.kernel_size))
+
+
+def torchvision_classifier(
+    name: str, num_classes: int, in_channels: int, image_size: int, pretrained: bool = False,
+    small_input: bool | None = None,
+) -> nn.Module:
+    """Any torchvision classification model by name, sized to the data's channels and classes.
+
+    small_input (default: images of 32 px or less) gives ResNet-like models the CIFAR stem: a 3×3 stride-1
+    first convolution and no max-pool, so 8×8 or 32×32 images are not shrunk to nothing before layer 1.
+    """
+    import torchvision
+
+    known = torchvision.models.list_models(module=torchvision.models)
+    if name not in known:
+        raise UserError(
+            f"model.name={name!r} is not a torchvision classification model; valid names include "
+            f"{', '.join(n for n in ('resnet18', 'resnet50', 'mobilenet_v3_small', 'efficientnet_b0', 'vit_b_16'))}"
+            f" … ({len(known)} in torchvision.models.list_models())"
+        )
+    if pretrained:
+        try:
+            model = torchvision.models.get_model(name, weights="DEFAULT")
+        except (OSError, RuntimeError) as e:  # URLError is an OSError
+            raise UserError(f"could not load pretrained weights for {name}: {e} (needs internet once, "
+                            "then they are cached under $TORCH_HOME)") from None
+        _replace_head(model, num_classes)
+    else:
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if getattr(model, "aux_logits", False):  # inception/googlenet: train-mode auxiliary outputs are not used
+        model.aux_logits = False
+    _adapt_input_channels(model, in_channels)
+    if small_input is None:
+        small_input = image_size <= 32
+    if small_input and isinstance(getattr(model, "conv1", None), nn.Conv2d) and hasattr(model, "maxpool"):
+        model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def build_model(cfg: Any, sample_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Call `cfg._target_` with the other keys of `cfg`, plus num_classes/in_channels/image_size if it takes them.
+
+    A dry forward pass on two blank samples checks that the model takes the data's shape and returns one logit
+    per class, so a mismatch is one clear line now rather than a traceback in the first step.
+    """
+    factory = load_target("model._target_", cfg["_target_"])
+    kwargs = {k: v for k, v in cfg.items() if k not in MODEL_KEYS_NOT_ARGS}
+    c, h, w = sample_shape
+    from_data = dict(num_classes=num_classes, in_channels=c, image_size=h)
+    params = inspect.signature(factory).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kwargs.update({k: v for k, v in from_data.items() if takes_any or k in params})
+    try:
+        model = factory(**kwargs)
+    except TypeError as e:
+        raise UserError(f"model._target_={cfg['_target_']}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(2, c, h, w))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise UserError(f"the model does not take {c}×{h}×{w} images ({first}); choose a model for this "
+                        "input size or other data") from None
+    model.train()
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise UserError(f"the model returns {shape} for a batch of 2, expected (2, {num_classes}): one logit per "
+                        "class of the data")
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

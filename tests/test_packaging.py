@@ -1,0 +1,49 @@
+"""The default job keeps its promise, and a built wheel carries its configs and data and runs from anywhere."""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from conftest import read_metrics, run_cli
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_default_job_reaches_90_percent_on_digits(tmp_path):
+    """`accutrain` with no arguments: resnet18 on the shipped digits, no download."""
+    proc = run_cli(cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1, proc.stderr
+    _, evals = read_metrics(run_dirs[0])
+    assert evals[-1]["val_acc"] >= 0.90, evals
+    assert "effective batch 32 = micro_batch 32 × accum 1 × devices 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_wheel_carries_configs_and_runs_from_another_directory(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(dist), str(ROOT)], check=True, capture_output=True)
+    wheel = next(dist.glob("accutrain-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "accutrain/configs/train.yaml" in names and "accutrain/configs/model/resnet18.yaml" in names
+    assert "accutrain/assets/digits.npz" in names
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import accutrain.cli as c; print(c.__file__, c.config_dir())"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
+    assert str(target) in where and where.count(str(target)) == 2, where  # the wheel's code and configs
+    proc = subprocess.run([str(target / "bin" / "accutrain"), "model=mlp", "trainer.max_steps=3",
+                           "trainer.progress=false", "hydra.run.dir=run"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "done: 3 optimizer steps" in proc.stderr
+    assert (elsewhere / "run" / "checkpoints" / "last.pt").exists()

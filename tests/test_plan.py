@@ -1,0 +1,70 @@
+"""The batch arithmetic: effective batch, derived accum, optimizer steps per epoch and in total."""
+import pytest
+
+from accutrain.config import LastWindow
+from accutrain.errors import UserError
+from accutrain.plan import derive_accum, make_plan
+
+
+def plan(**kw):
+    args = dict(micro_batch=8, accum=4, devices=1, global_batch=None, train_size=110,
+                last_window=LastWindow.step, epochs=2, max_steps=None)
+    return make_plan(**{**args, **kw})
+
+
+def test_effective_batch_is_the_product():
+    p = plan(micro_batch=8, accum=4, devices=2, train_size=1000)
+    assert p.effective == 64
+
+
+def test_incomplete_last_window_is_a_step_by_default():
+    p = plan()  # 110 = 3 × 32 + 14
+    assert (p.tail, p.steps_per_epoch, p.total_steps, p.samples_per_epoch) == (14, 4, 8, 110)
+
+
+def test_drop_policy_drops_the_tail_and_its_step():
+    p = plan(last_window=LastWindow.drop)
+    assert (p.steps_per_epoch, p.total_steps, p.samples_per_epoch) == (3, 6, 96)
+
+
+def test_windows_that_tile_the_epoch_have_no_tail():
+    p = plan(train_size=128)
+    assert (p.tail, p.steps_per_epoch) == (0, 4)
+
+
+def test_max_steps_cuts_epochs_short_and_counts_epochs_begun():
+    p = plan(epochs=10, max_steps=9)
+    assert (p.total_steps, p.total_epochs) == (9, 3)
+    p = plan(epochs=None, max_steps=9)
+    assert (p.total_steps, p.total_epochs) == (9, 3)
+    p = plan(epochs=1, max_steps=100)
+    assert (p.total_steps, p.total_epochs) == (4, 1)
+
+
+def test_accum_derived_from_global_batch():
+    assert derive_accum(micro_batch=4, devices=1, accum=None, global_batch=32) == 8
+    assert derive_accum(micro_batch=4, devices=2, accum=None, global_batch=32) == 4
+    assert derive_accum(micro_batch=4, devices=2, accum=4, global_batch=32) == 4  # agreeing is fine
+    assert derive_accum(micro_batch=4, devices=1, accum=None, global_batch=None) == 1
+    assert derive_accum(micro_batch=4, devices=1, accum=3, global_batch=None) == 3
+
+
+def test_global_batch_not_divisible_names_the_numbers():
+    with pytest.raises(UserError, match=r"global_batch=100 is not a multiple of micro_batch 8 × devices 1 = 8"):
+        derive_accum(micro_batch=8, devices=1, accum=None, global_batch=100)
+
+
+def test_global_batch_contradicting_accum_names_the_numbers():
+    with pytest.raises(UserError, match=r"accum=4 contradicts global_batch=64 .* accum 8"):
+        derive_accum(micro_batch=8, devices=1, accum=4, global_batch=64)
+
+
+def test_drop_with_a_batch_larger_than_the_data_is_refused():
+    with pytest.raises(UserError, match="larger than the 110 training samples"):
+        plan(micro_batch=128, accum=1, last_window=LastWindow.drop)
+
+
+def test_start_up_lines():
+    lines = plan().describe()
+    assert lines[0] == "effective batch 32 = micro_batch 8 × accum 4 × devices 1"
+    assert "4 optimizer steps per epoch (3 windows of 32 + 1 of 14 samples), 8 in total over 2 epochs" in lines[1]

@@ -1,0 +1,95 @@
+"""The one formula: the accumulated gradient is the gradient of the window's mean loss."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accutrain.step import accumulate, evaluate, grad_norm
+
+
+def model_and_data(n=14, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x = torch.randn(n, 5, dtype=torch.float64)
+    y = torch.randint(3, (n,))
+    return model, x, y
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def big_batch_grad(model, x, y):
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    return grads(model)
+
+
+def test_accumulated_gradient_equals_big_batch_on_a_short_tail():
+    model, x, y = model_and_data(n=14)  # micro-batches of 4: 4, 4, 4, 2
+    expected = big_batch_grad(model, x, y)
+    model.zero_grad(set_to_none=True)
+    chunks = list(zip(x.split(4), y.split(4)))
+    loss_sum = accumulate(model, iter(chunks), len(chunks), window_size=14, device=torch.device("cpu"))
+    for g, e in zip(grads(model), expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss_sum / 14, F.cross_entropy(model(x), y).detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_dividing_by_accum_would_be_wrong_on_a_short_tail():
+    """The naive recipe (mean loss per micro-batch / accum) over-weights the short micro-batch."""
+    model, x, y = model_and_data(n=14)
+    expected = big_batch_grad(model, x, y)
+    model.zero_grad(set_to_none=True)
+    chunks = list(zip(x.split(4), y.split(4)))
+    for xb, yb in chunks:
+        (F.cross_entropy(model(xb), yb) / len(chunks)).backward()
+    assert not all(torch.allclose(g, e) for g, e in zip(grads(model), expected))
+
+
+def test_world_scale_undoes_ddp_averaging():
+    """Each rank scales by world/|W|: averaging the ranks' gradients gives the window's mean gradient."""
+    model, x, y = model_and_data(n=10)
+    expected = big_batch_grad(model, x, y)
+    per_rank = []
+    for part_x, part_y in ((x[:7], y[:7]), (x[7:], y[7:])):  # uneven ranks: 7 and 3 samples
+        model.zero_grad(set_to_none=True)
+        accumulate(model, iter([(part_x, part_y)]), 1, window_size=10, device=torch.device("cpu"), world=2)
+        per_rank.append(grads(model))
+    for a, b, e in zip(*per_rank, expected):
+        torch.testing.assert_close((a + b) / 2, e, rtol=1e-12, atol=1e-12)
+
+
+def test_no_sync_on_every_micro_batch_but_the_last():
+    model, x, y = model_and_data(n=12)
+    entered = []
+
+    class Recorder:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    chunks = list(zip(x.split(4), y.split(4)))
+    accumulate(model, iter(chunks), len(chunks), 12, torch.device("cpu"), no_sync=Recorder)
+    assert len(entered) == len(chunks) - 1
+
+
+def test_grad_norm_measures_before_clipping():
+    model, x, y = model_and_data()
+    big_batch_grad(model, x, y)
+    params = list(model.parameters())
+    norm = grad_norm(params, None)
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    torch.testing.assert_close(norm, expected)
+    clipped_from = grad_norm(params, float(norm) / 2)
+    torch.testing.assert_close(clipped_from, expected)
+    torch.testing.assert_close(grad_norm(params, None), expected / 2, rtol=1e-5, atol=0)  # clip_grad_norm_ adds 1e-6
+
+
+def test_evaluate_is_sample_weighted_whatever_the_batch():
+    model, x, y = model_and_data(n=10)
+    full = evaluate(model, [(x, y)], torch.device("cpu"))
+    split = evaluate(model, list(zip(x.split(3), y.split(3))), torch.device("cpu"))
+    assert abs(full[0] - split[0]) < 1e-6 and full[1] == split[1]
+    assert model.training

@@ -1,0 +1,69 @@
+"""The sampler: the seed alone decides which samples share a window, however the window is cut."""
+from accutrain.config import LastWindow
+from accutrain.plan import make_plan
+from accutrain.windows import WindowSampler, epoch_order, split_window
+
+
+def windows(micro_batch, accum, devices=1, rank=0, n=110, seed=0, epoch=0, last_window=LastWindow.step):
+    plan = make_plan(micro_batch=micro_batch, accum=accum, devices=devices, global_batch=None, train_size=n,
+                     last_window=last_window, epochs=1, max_steps=None)
+    sampler = WindowSampler(plan, seed, rank, devices)
+    sampler.set_epoch(epoch)
+    return list(sampler.windows())
+
+
+def members(window_list):
+    return [sorted(i for mb in w.micro for i in mb) for w in window_list]
+
+
+def test_same_windows_whatever_the_split():
+    reference = members(windows(32, 1))
+    assert members(windows(8, 4)) == reference
+    assert members(windows(4, 8)) == reference
+    assert members(windows(16, 2)) == reference
+    # several ranks together hold exactly the window
+    two_ranks = [windows(8, 2, devices=2, rank=r) for r in (0, 1)]
+    assert [sorted(a + b) for a, b in zip(members(two_ranks[0]), members(two_ranks[1]))] == reference
+
+
+def test_windows_cover_the_epoch_once():
+    seen = [i for w in members(windows(8, 4)) for i in w]
+    assert sorted(seen) == list(range(110))
+
+
+def test_short_tail_is_split_in_micro_batches_never_padded():
+    last = windows(8, 4)[-1]
+    assert last.size == 14
+    assert [len(mb) for mb in last.micro] == [8, 6]
+    assert [len(mb) for mb in windows(8, 4)[0].micro] == [8, 8, 8, 8]
+
+
+def test_drop_policy_leaves_out_the_tail():
+    ws = windows(8, 4, last_window=LastWindow.drop)
+    assert [w.size for w in ws] == [32, 32, 32]
+
+
+def test_order_depends_on_seed_and_epoch():
+    assert members(windows(8, 4, seed=0)) != members(windows(8, 4, seed=1))
+    assert members(windows(8, 4, epoch=0)) != members(windows(8, 4, epoch=1))
+    assert epoch_order(50, 3, 2).tolist() == epoch_order(50, 3, 2).tolist()
+
+
+def test_split_window_gives_every_rank_the_same_number_of_micro_steps():
+    samples = list(range(13))  # a short window: micro-batches of 4 → 4, 4, 4, 1 over 3 ranks
+    parts = [split_window(samples, 4, r, 3) for r in range(3)]
+    assert [len(p) for p in parts] == [2, 2, 2]
+    assert parts[0] == [[0, 1, 2, 3], [12]]
+    assert parts[1] == [[4, 5, 6, 7], []]
+    assert sorted(i for p in parts for mb in p for i in mb) == samples
+
+
+def test_resume_position_skips_whole_windows():
+    plan = make_plan(micro_batch=8, accum=4, devices=1, global_batch=None, train_size=110,
+                     last_window=LastWindow.step, epochs=1, max_steps=None)
+    sampler = WindowSampler(plan, 0)
+    sampler.set_epoch(0, start_window=2)
+    rest = list(sampler.windows())
+    assert [w.index for w in rest] == [2, 3]
+    assert members(rest) == members(windows(8, 4))[2:]
+    assert list(sampler) == [mb for w in rest for mb in w.micro]
