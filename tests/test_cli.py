@@ -125,7 +125,7 @@ def test_custom_model_by_target(tmp_path):
     (["model=torchvision", "model.name=resnet19"], ["model.name='resnet19'", "resnet18"]),
     (["data=cifar10", "data.root=/nonexistent/cifar"], ["/nonexistent/cifar", "data.download=true"]),
     (["data=imagefolder", "data.root=/nonexistent/images"], ["/nonexistent/images", "train/"]),
-    (["devices=2"], ["devices=2 is not yet supported"]),
+    (["devices=0"], ["devices=0", "positive integer or auto"]),
     (["trainer.device=cuda"], ["trainer.device=cuda", "no CUDA device"]),
 ])
 def test_user_errors_end_in_one_line(tmp_path, args, fragments):

@@ -87,9 +87,11 @@ def test_grad_norm_measures_before_clipping():
     torch.testing.assert_close(grad_norm(params, None), expected / 2, rtol=1e-5, atol=0)  # clip_grad_norm_ adds 1e-6
 
 
-def test_evaluate_is_sample_weighted_whatever_the_batch():
+def test_evaluate_sums_are_sample_weighted_whatever_the_batch():
     model, x, y = model_and_data(n=10)
     full = evaluate(model, [(x, y)], torch.device("cpu"))
     split = evaluate(model, list(zip(x.split(3), y.split(3))), torch.device("cpu"))
-    assert abs(full[0] - split[0]) < 1e-6 and full[1] == split[1]
+    torch.testing.assert_close(full, split, rtol=1e-6, atol=1e-6)
+    assert full[2] == 10 and 0 <= full[1] <= 10
+    torch.testing.assert_close(full[0] / 10, F.cross_entropy(model(x), y).detach(), rtol=1e-6, atol=1e-6)
     assert model.training

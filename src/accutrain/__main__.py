@@ -1,3 +1,4 @@
 from accutrain.cli import main
 
-main()
+if __name__ == "__main__":  # spawned workers import this module again: they must not start a run
+    main()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config import register_schemas
 from accutrain.errors import UserError
@@ -30,10 +30,12 @@ register_schemas()
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _train(cfg: DictConfig) -> None:
-    from accutrain.train import train  # imported here so that `--help` and config errors stay fast
+    from accutrain.train import run  # imported here so that `--help` and config errors stay fast
 
+    hydra_cfg = HydraConfig.get()
+    log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run(cfg, Path(hydra_cfg.runtime.output_dir), log_config)
     except UserError as e:
         log.error(str(e))
         sys.exit(2)
@@ -42,6 +44,8 @@ def _train(cfg: DictConfig) -> None:
 def main() -> None:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # user plug-ins (`_target_`) import from the working directory, as with -m
+    if os.environ.get("RANK", "0") != "0" and "LOCAL_RANK" in os.environ:
+        sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
     _train()
 
 

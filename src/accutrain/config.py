@@ -26,6 +26,7 @@ class LastWindow(enum.Enum):
 @dataclass
 class ModelConfig:
     _target_: str = MISSING
+    sync_batchnorm: bool = False  # BatchNorm → SyncBatchNorm when devices > 1: statistics over every rank's share
 
 
 @dataclass

@@ -11,16 +11,21 @@ from tqdm import tqdm
 
 
 class MetricsLog:
-    """Appends one JSON object per line; each line is flushed so a running or killed run can be read."""
+    """Appends one JSON object per line, flushed line by line so a running or killed run can be read.
 
-    def __init__(self, path: Path) -> None:
-        self.file = open(path, "a", buffering=1)  # line-buffered
+    With no path (ranks other than 0) it writes nothing.
+    """
+
+    def __init__(self, path: Optional[Path]) -> None:
+        self.file = open(path, "a", buffering=1) if path is not None else None  # line-buffered
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class _LogLines:

@@ -11,7 +11,7 @@ from accutrain.config import load_target
 from accutrain.errors import UserError
 
 # Keys of the `model` config that accutrain applies itself instead of passing them to the factory.
-MODEL_KEYS_NOT_ARGS = {"_target_"}
+MODEL_KEYS_NOT_ARGS = {"_target_", "sync_batchnorm"}
 
 
 def mlp(num_classes: int, in_channels: int, image_size: int, hidden: list[int], dropout: float = 0.0) -> nn.Module:

@@ -57,18 +57,16 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, device: torch.device) -> tuple[float, float]:
-    """Mean loss and accuracy over the whole held-out split (sample-weighted, whatever the batch size)."""
+def evaluate(model: nn.Module, loader: Iterable, device: torch.device) -> torch.Tensor:
+    """Sums over this rank's share of the held-out split: tensor([summed loss, correct predictions, samples])."""
     was_training = model.training
     model.eval()
-    loss = torch.zeros((), device=device, dtype=torch.float64)
-    correct = torch.zeros((), device=device, dtype=torch.int64)
-    n = 0
+    sums = torch.zeros(3, device=device, dtype=torch.float64)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)
-        loss += summed_cross_entropy(logits.float(), y).double()
-        correct += (logits.argmax(1) == y).sum()
-        n += len(y)
+        sums[0] += summed_cross_entropy(logits.float(), y).double()
+        sums[1] += (logits.argmax(1) == y).sum()
+        sums[2] += len(y)
     model.train(was_training)
-    return loss.item() / max(n, 1), correct.item() / max(n, 1)
+    return sums

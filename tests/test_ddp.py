@@ -1,0 +1,117 @@
+"""Several devices, for real: 2 gloo processes on the CPU, through the real CLI (spawned and under torchrun)."""
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TINY, assert_one_line_error, final_weights, read_metrics, train_run
+from test_cli import assert_same_weights
+
+# 117 samples = 3 windows of 32 + one of 21. With devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0: in the
+# last micro-step rank 0 has 5 samples and rank 1 none, and the all-reduce must neither hang nor be biased.
+UNEVEN = [*TINY, "data.size=117", "trainer.epochs=3", "trainer.grad_clip=0.5", "optim.weight_decay=1e-3"]
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_ranks_equal_one_device_and_the_big_batch(tmp_path):
+    two, _ = train_run(tmp_path, "two", *UNEVEN, "devices=2", "micro_batch=8", "accum=2")
+    one, _ = train_run(tmp_path, "one", *UNEVEN, "micro_batch=8", "accum=4")
+    big, _ = train_run(tmp_path, "big", *UNEVEN, "micro_batch=32", "accum=1")
+    assert_same_weights(final_weights(two), final_weights(big))
+    assert_same_weights(final_weights(one), final_weights(big))
+    steps = read_metrics(two)[0]  # rank 0 alone writes: one record per optimizer step
+    assert [r["samples"] for r in steps] == [32, 32, 32, 21] * 3
+    assert [r["micro_batches"] for r in steps] == [2] * 12  # micro-steps per rank
+    big_steps = read_metrics(big)[0]
+    assert [r["loss"] for r in steps] == pytest.approx([r["loss"] for r in big_steps], rel=1e-5)
+    assert read_metrics(two)[1][-1]["val_acc"] == pytest.approx(read_metrics(big)[1][-1]["val_acc"])
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_one_gradient_all_reduce_per_optimizer_step(tmp_path, accum):
+    run_dir, _ = train_run(tmp_path, f"accum{accum}", *UNEVEN, "devices=2", "micro_batch=4", f"accum={accum}",
+                           "trainer.epochs=1")
+    steps = read_metrics(run_dir)[0]
+    param_bytes = sum(t.numel() * t.element_size() for t in final_weights(run_dir).values())
+    assert [r["grad_syncs"] for r in steps] == [1] * len(steps)
+    assert [r["comm_bytes"] for r in steps] == [param_bytes] * len(steps)  # one gradient's worth, whatever accum
+
+
+def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
+    (tmp_path / "boom.py").write_text(
+        "import torch.distributed as dist\nimport torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes, in_channels, image_size):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(in_channels * image_size ** 2, num_classes)\n"
+        "        self.calls = 0\n"
+        "    def forward(self, x):\n"
+        "        if self.training and dist.is_initialized() and dist.get_rank() == 1:\n"
+        "            self.calls += 1\n"
+        "            if self.calls == 3:\n"
+        "                raise RuntimeError('boom on rank 1')\n"
+        "        return self.fc(x.flatten(1))\n")
+    start = time.monotonic()
+    _, proc = train_run(tmp_path, "boom", *TINY[2:], "model=custom", "model._target_=boom.Net", "devices=2",
+                        "micro_batch=4", "accum=2", check=False)
+    assert proc.returncode != 0
+    assert "boom on rank 1" in proc.stderr and "rank 1 of 2 failed" in proc.stderr
+    assert time.monotonic() - start < 120  # rank 0, waiting in the all-reduce, was stopped: no hang
+
+
+def test_a_user_error_on_the_ranks_is_one_line(tmp_path):
+    _, proc = train_run(tmp_path, "err", "model=mlp", "data=imagefolder", "data.root=/nonexistent/images",
+                        "devices=2", check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "/nonexistent/images")
+
+
+def test_devices_auto_is_one_process_on_a_cpu_machine(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    _, proc = train_run(tmp_path, "auto", *TINY, "data.size=40", "devices=auto", "trainer.max_steps=1")
+    assert "× devices 1" in proc.stderr and "launching" not in proc.stderr
+
+
+def test_sync_batchnorm_on_the_cpu_is_refused_plainly(tmp_path):
+    _, proc = train_run(tmp_path, "sbn", "data=synthetic", "data.size=40", "data.image_size=8", "devices=2",
+                        "model.sync_batchnorm=true", "trainer.max_steps=1", check=False)
+    assert_one_line_error(proc, "model.sync_batchnorm=true needs CUDA")
+
+
+def test_multirun_jobs_launch_their_own_workers(tmp_path):
+    """A sweep over devices at a fixed global batch: every job takes the same steps."""
+    from conftest import run_cli
+    run_cli("-m", *UNEVEN, "trainer.epochs=1", "devices=1,2", "micro_batch=8", "global_batch=32",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    jobs = [tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"]
+    assert "accum 4 × devices 1" in (jobs[0] / "train.log").read_text()
+    assert "accum 2 × devices 2" in (jobs[1] / "train.log").read_text()
+    assert_same_weights(final_weights(jobs[0]), final_weights(jobs[1]))
+
+
+def test_torchrun_world_equals_the_spawned_one(tmp_path):
+    args = [*UNEVEN, "trainer.epochs=1", "micro_batch=8", "accum=2"]
+    spawned, _ = train_run(tmp_path, "spawned", *args, "devices=2")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "accutrain", *args, "devices=auto", f"hydra.run.dir={tmp_path / 'torchrun'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "× devices 2" in proc.stderr and "launching" not in proc.stderr  # the world came from torchrun
+    assert_same_weights(final_weights(tmp_path / "torchrun"), final_weights(spawned))
+    assert len(read_metrics(tmp_path / "torchrun")[0]) == 4  # written once, by rank 0
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_torchrun_with_devices_disagreeing_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "accutrain", *TINY, "data.size=40", "devices=3",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if "devices=3 but torchrun started 2 processes" in line]
+    assert sorted(line.startswith("[rank 1]") for line in ours) == [False, True], proc.stderr  # once per rank
+    assert "accutrain/" not in proc.stderr  # no traceback through accutrain (torchrun prints its own report)
