@@ -1,11 +1,29 @@
-"""Checkpoints: written atomically at optimizer-step boundaries, loaded with weights_only=True."""
+"""Checkpoints: written atomically at optimizer-step boundaries, kept in rotation, loaded with weights_only=True.
+
+A checkpoint holds the model, optimizer, scheduler (and AMP scaler), where the run is (optimizer steps, epoch,
+next window of that epoch) and every RNG state (Python, NumPy, torch, CUDA; one set per rank). The sampler's
+state is (seed, epoch, window): the order of an epoch is a pure function of the seed and the epoch number.
+"""
 from __future__ import annotations
 
+import logging
 import os
+import pickle
+import random
+import re
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
+
+from accutrain.errors import UserError
+
+log = logging.getLogger("accutrain")
+
+FORMAT = 1
+STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -17,13 +35,101 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)  # make the rename itself durable
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def load(path: Path) -> dict[str, Any]:
-    """Load a checkpoint without ever executing pickled code."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line."""
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0]
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise UserError(f"refusing to load {path}: it holds pickled code or objects, not only tensors and "
+                            f"plain values ({first[:160]})") from None
+        raise UserError(f"{path} is corrupt: {first[:160]}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{path} is truncated or corrupt: {first[:160]}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
+        raise UserError(f"{path} is not an accutrain checkpoint")
+    return state
+
+
+class Rotation:
+    """The run directory's checkpoints/: step-NNNNNNNN.pt files (the newest `keep`) and last.pt, the newest."""
+
+    def __init__(self, directory: Path, keep: int) -> None:
+        self.directory, self.keep = directory, keep
+
+    def steps(self) -> list[Path]:
+        """Step files, newest first."""
+        if not self.directory.is_dir():
+            return []
+        files = [p for p in self.directory.iterdir() if STEP_FILE.match(p.name)]
+        return sorted(files, key=lambda p: p.name, reverse=True)
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        path = self.directory / f"step-{step:08d}.pt"
+        save_atomic(state, path)
+        last, tmp = self.directory / "last.pt", self.directory / ".last.pt.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(path, tmp)  # last.pt is the same file, swapped in atomically
+        except OSError:
+            save_atomic(state, tmp)
+        os.replace(tmp, last)
+        _fsync_dir(self.directory)
+        for old in self.steps()[self.keep :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def latest_good(self) -> Optional[tuple[Path, dict[str, Any]]]:
+        """The newest checkpoint that loads; an unreadable one is reported and the previous one tried."""
+        candidates = self.steps() or ([self.directory / "last.pt"] if (self.directory / "last.pt").is_file() else [])
+        for i, path in enumerate(candidates):
+            try:
+                return path, load(path)
+            except UserError as e:
+                fallback = candidates[i + 1].name if i + 1 < len(candidates) else "none left: starting from scratch"
+                log.warning(f"resume=auto: {e}; falling back to the previous checkpoint ({fallback})")
+        return None
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from, as plain values (bytes, ints, lists): picklable across ranks and
+    loadable with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return dict(
+        python=random.getstate(),
+        numpy=[kind, keys.tolist(), pos, has_gauss, gauss],
+        torch=torch.get_rng_state().numpy().tobytes(),
+        cuda=[s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    )
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config import register_schemas
-from accutrain.errors import UserError
+from accutrain.errors import UserError, one_line
 
 log = logging.getLogger("accutrain")
 
@@ -35,10 +36,28 @@ def _train(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
     try:
-        run(cfg, Path(hydra_cfg.runtime.output_dir), log_config)
+        outcome = run(cfg, Path(hydra_cfg.runtime.output_dir), log_config)
     except UserError as e:
-        log.error(str(e))
+        log.error(one_line(e))
         sys.exit(2)
+    except KeyboardInterrupt:
+        log.error("interrupted: stopped at once, without a checkpoint")
+        sys.exit(128 + signal.SIGINT)
+    if outcome is not None and outcome.stopped_by:
+        sys.exit(128 + signal.Signals[outcome.stopped_by])
+
+
+def check_output_dir(argv: list[str]) -> None:
+    """Create an output directory given on the command line now, so a bad one is one line, not a traceback."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            try:
+                Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                print(f"accutrain: error: cannot create the output directory {key}={value}: {e.strerror or e}",
+                      file=sys.stderr)
+                sys.exit(2)
 
 
 def main() -> None:
@@ -46,6 +65,7 @@ def main() -> None:
         sys.path.append(os.getcwd())  # user plug-ins (`_target_`) import from the working directory, as with -m
     if os.environ.get("RANK", "0") != "0" and "LOCAL_RANK" in os.environ:
         sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
+    check_output_dir(sys.argv[1:])
     _train()
 
 

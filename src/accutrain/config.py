@@ -16,6 +16,11 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 from accutrain.errors import UserError
 
 
+class OnNonFinite(enum.Enum):
+    stop = "stop"  # stop with a clear line naming the step
+    skip = "skip"  # drop the window's gradients: no optimizer or scheduler step; counted and logged
+
+
 class LastWindow(enum.Enum):
     step = "step"  # step on the incomplete last window of an epoch, normalised by its real size
     drop = "drop"  # drop it
@@ -145,8 +150,11 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_every: Optional[int] = None  # optimizer steps between evaluations; null: at the end of every epoch
     eval_batch: Optional[int] = None  # null: micro_batch
-    log_every: int = 10  # optimizer steps between log lines in train.log (metrics.jsonl gets every step)
+    log_every: int = 50  # optimizer steps between log lines in train.log (metrics.jsonl gets every step)
     progress: bool = True  # the tqdm bar (counts optimizer steps)
+    checkpoint_every: Optional[int] = None  # optimizer steps; a checkpoint is also written at the end and on SIGTERM
+    keep_checkpoints: int = 3  # step-*.pt files kept in checkpoints/ (last.pt is the newest)
+    on_nonfinite: OnNonFinite = OnNonFinite.stop  # a NaN/Inf loss or gradient in a window
 
 
 @dataclass
@@ -163,6 +171,7 @@ class TrainConfig:
     devices: Any = 1
     global_batch: Any = None
     seed: int = 0
+    resume: Optional[str] = None  # a checkpoint path, or auto: the newest good one in this run directory
 
 
 SCHEMAS = {
@@ -230,11 +239,12 @@ def validate(cfg: DictConfig) -> None:
     t = cfg.trainer
     if t.epochs is None and t.max_steps is None:
         raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
-    for key in ("epochs", "max_steps", "eval_every", "eval_batch"):
+    for key in ("epochs", "max_steps", "eval_every", "eval_batch", "checkpoint_every"):
         if t[key] is not None and t[key] < 1:
             raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null")
-    if t.log_every < 1:
-        raise UserError(f"trainer.log_every={t.log_every} is not valid: expected a positive integer")
+    for key in ("log_every", "keep_checkpoints"):
+        if t[key] < 1:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
     if cfg.data.num_workers < 0:

@@ -138,6 +138,19 @@ def _to_rgb(image: Any) -> Any:
     return image.convert("RGB")
 
 
+def read_image(path: str) -> Any:
+    """PIL's image at `path`, fully decoded; an unreadable or corrupt file is one clear line naming it."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            image = Image.open(f)
+            image.load()
+            return image
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise UserError(f"cannot read image {path}: {e}") from None
+
+
 def image_folder(root: str, image_size: int, channels: int) -> Datasets:
     """Images in `root/train/<class>/` and `root/val/<class>/`, resized and centre-cropped to image_size."""
     if channels not in (1, 3):
@@ -163,7 +176,7 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
     splits = {}
     for split in ("train", "val"):
         try:
-            splits[split] = tvd.ImageFolder(str(root_path / split), transform=transform)
+            splits[split] = tvd.ImageFolder(str(root_path / split), transform=transform, loader=read_image)
         except FileNotFoundError:
             raise UserError(
                 f"no images found under {root_path / split}: expected class folders holding "
@@ -179,9 +192,10 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
                     f"imagefolder ({root_path}, {len(train.classes)} classes)")
 
 
-def train_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, pin_memory: bool) -> DataLoader:
+def train_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, pin_memory: bool,
+                 generator: torch.Generator) -> DataLoader:
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, generator=generator)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:

@@ -10,6 +10,7 @@ import logging.config
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -146,10 +147,11 @@ def quiet_logging(rank: int) -> None:
 class _Job:
     nprocs: int
     port: int
-    errors: Any  # a multiprocessing queue of (rank, message) for user errors
+    errors: Any  # a queue of (rank, message): user errors
+    results: Any  # a queue holding rank 0's return value
     log_config: Optional[dict]
     threads: int
-    target: Callable[..., None]
+    target: Callable[..., Any]
     args: tuple = field(default_factory=tuple)
 
 
@@ -163,7 +165,9 @@ def _worker(local_rank: int, job: _Job) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(world.rank),
                       WORLD_SIZE=str(world.size), LOCAL_RANK=str(world.local_rank))
     try:
-        job.target(world, *job.args)
+        result = job.target(world, *job.args)
+        if world.main:
+            job.results.put(result)
     except UserError as e:
         job.errors.put((world.rank, str(e)))
         sys.exit(2)
@@ -172,22 +176,39 @@ def _worker(local_rank: int, job: _Job) -> None:
             dist.destroy_process_group()
 
 
-def spawn(nprocs: int, target: Callable[..., None], args: tuple, log_config: Optional[dict]) -> None:
-    """Run target(world, *args) in `nprocs` fresh processes; a failure on any rank ends them all and is raised here.
+def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict]) -> Any:
+    """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
 
-    A UserError on any rank is raised again here (one line); any other exception is raised with the failing
-    rank's traceback.
+    A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
+    with the failing rank's traceback. A SIGTERM or SIGINT to this process is passed on to the workers, which
+    stop together after their current optimizer step.
     """
+    from accutrain.signals import StopRequest
+
     ctx = multiprocessing.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    job = _Job(nprocs, _free_port(), errors, log_config, threads, target, args)
+    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args)
+    context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
+                                                    start_method="spawn")
+
+    def pass_on(signum: int) -> None:
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+
     try:
-        torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=True, start_method="spawn")
+        with StopRequest(on_request=pass_on, announce=False):
+            while not context.join():
+                pass
     except torch.multiprocessing.ProcessExitedException as e:
         if not errors.empty():
-            rank, message = errors.get()
-            raise UserError(message) from None
+            raise UserError(errors.get()[1]) from None
         raise RuntimeError(f"rank {e.error_index} of {nprocs} died (exit code {e.exit_code}); every rank stopped")
     except torch.multiprocessing.ProcessRaisedException as e:
         raise RuntimeError(f"rank {e.error_index} of {nprocs} failed; every rank stopped. Its error:\n{e}") from None
+    except KeyboardInterrupt:
+        for process in context.processes:
+            process.kill()
+        raise
+    return results.get() if not results.empty() else None

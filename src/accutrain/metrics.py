@@ -58,9 +58,10 @@ class ConsoleFormatter(logging.Formatter):
         return f"[{self.formatTime(record, '%H:%M:%S')}] {level}{record.getMessage()}"
 
 
-def summary_line(steps: int, samples: int, seconds: float, last_loss: Optional[float],
+def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
                  best_acc: Optional[float], best_step: Optional[int]) -> str:
-    rate = samples / seconds if seconds > 0 else float("nan")
+    """The final line: steps and samples of the whole run; time and speed of this session (a resume is one)."""
+    rate = session_samples / seconds if seconds > 0 else float("nan")
     parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({rate:.0f} samples/s)"]
     if last_loss is not None:
         parts.append(f"last loss {last_loss:.4f}")

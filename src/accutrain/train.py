@@ -1,11 +1,13 @@
 """The recipe: build everything from the config, then windows → accumulate → one optimizer step → log/evaluate."""
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -17,11 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from accutrain import checkpoint, data, dist, models
-from accutrain.config import load_target, validate
+from accutrain.config import OnNonFinite, load_target, validate
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.metrics import MetricsLog, progress_bar, summary_line
 from accutrain.plan import BatchPlan, make_plan
+from accutrain.signals import StopRequest
 from accutrain.step import accumulate, evaluate, grad_norm
 from accutrain.windows import Window, WindowSampler
 
@@ -131,7 +134,9 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
 
     pin = device.type == "cuda"
     sampler = WindowSampler(plan, cfg.seed, world.rank, world.size)
-    loader = data.train_loader(datasets.train, sampler, cfg.data.num_workers, pin)
+    # The loader draws its workers' seeds from its own generator, never from the global RNG that dropout uses.
+    loader = data.train_loader(datasets.train, sampler, cfg.data.num_workers, pin,
+                               generator=torch.Generator().manual_seed(cfg.seed))
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = data.eval_loader(val_share, cfg.trainer.eval_batch or cfg.micro_batch, cfg.data.num_workers, pin)
     empty_batch = [t[:0] for t in default_collate([datasets.train[0]])]
@@ -146,70 +151,198 @@ def micro_batches(window: Window, batches: Iterator, empty_batch: Any) -> Iterat
 
 
 @dataclass
-class Outcome:
-    steps: int = 0
+class Progress:
+    """Where the run is: what a checkpoint records besides the model, optimizer and RNG states."""
+
+    step: int = 0  # optimizer steps taken (windows consumed, skipped ones included)
+    epoch: int = 0  # the epoch of the next window
+    window: int = 0  # the next window's index in that epoch
     samples: int = 0
+    skipped: int = 0  # windows whose step was skipped for a non-finite loss or gradient
     last_loss: Optional[float] = None
     best_acc: Optional[float] = None
     best_step: Optional[int] = None
-    seconds: float = 0.0
 
 
-def fit(r: Run, metrics: MetricsLog) -> Outcome:
-    """Run every optimizer step of the plan: one window of micro-batches each, then evaluate."""
+@dataclass
+class Outcome:
+    progress: Progress
+    seconds: float  # this session's wall time in the loop
+    samples: int  # samples this session trained on
+    stopped_by: Optional[str] = None  # the signal that stopped the run early
+    checkpoint: Optional[Path] = None
+
+
+def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Optional[Path]],
+        stop: StopRequest) -> Outcome:
+    """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint."""
     trainer, plan, world = r.cfg.trainer, r.plan, r.world
     params = [p for p in r.model.parameters() if p.requires_grad]
-    out = Outcome()
-    bar = progress_bar(plan.total_steps, 0, trainer.progress and world.main)
-    start = time.perf_counter()
+    bar = progress_bar(plan.total_steps, p.step, trainer.progress and world.main)
+    start, start_samples = time.perf_counter(), p.samples
 
     def validate_now(epoch: int) -> None:
         loss_sum, correct, n = dist.all_reduce_sum(evaluate(r.forward, r.val_loader, r.device), world).tolist()
         val_loss, val_acc = loss_sum / n, correct / n
-        metrics.write(dict(step=out.steps, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
-        log.info(f"step {out.steps} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
-        if out.best_acc is None or val_acc > out.best_acc:
-            out.best_acc, out.best_step = val_acc, out.steps
+        metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
+        log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
+        if p.best_acc is None or val_acc > p.best_acc:
+            p.best_acc, p.best_step = val_acc, p.step
 
-    for epoch in range(plan.total_epochs):
-        r.sampler.set_epoch(epoch)
+    for epoch in range(p.epoch, plan.total_epochs):
+        r.sampler.set_epoch(epoch, start_window=p.window)
         batches = iter(r.loader)
         for window in r.sampler.windows():
             t0 = time.perf_counter()
             loss_sum = accumulate(r.forward, micro_batches(window, batches, r.empty_batch), len(window.micro),
                                   window.size, r.device, world=world.size, no_sync=r.no_sync)
-            norm = grad_norm(params, trainer.grad_clip)  # measured, and clipped if asked, once per window
-            lr = r.optimizer.param_groups[0]["lr"]
-            r.optimizer.step()
-            r.scheduler.step()
+            norm = grad_norm(params, trainer.grad_clip).item()  # measured, and clipped if asked, once per window
+            # One small all-reduce: the window's summed loss over every rank, and whether any rank was signalled.
+            loss_sum, stop_votes = dist.all_reduce_sum(
+                torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=r.device,
+                                                    dtype=torch.float64)]), world).tolist()
+            loss, lr = loss_sum / window.size, r.optimizer.param_groups[0]["lr"]
+            finite = math.isfinite(loss) and math.isfinite(norm)
+            if finite:
+                r.optimizer.step()
+                r.scheduler.step()
+            elif trainer.on_nonfinite is OnNonFinite.stop:
+                raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at optimizer step "
+                                f"{p.step + 1} (epoch {epoch + 1}, window {window.index}): stopping; the last "
+                                "checkpoint holds finite weights (trainer.on_nonfinite=skip skips such windows)")
             r.optimizer.zero_grad(set_to_none=True)
-            out.steps, out.samples = out.steps + 1, out.samples + window.size
-            out.last_loss = dist.all_reduce_sum(loss_sum, world).item() / window.size  # the window's mean
+
+            last_of_epoch = window.index == plan.steps_per_epoch - 1
+            p.step, p.samples, p.skipped = p.step + 1, p.samples + window.size, p.skipped + (not finite)
+            p.epoch, p.window = (epoch + 1, 0) if last_of_epoch else (epoch, window.index + 1)
+            p.last_loss = loss if finite else p.last_loss
             rate = window.size / (time.perf_counter() - t0)
-            record = dict(step=out.steps, epoch=epoch + 1, loss=out.last_loss, samples=window.size,
-                          micro_batches=len(window.micro), lr=lr, grad_norm=norm.item(), samples_per_s=rate,
-                          samples_seen=out.samples, time=time.perf_counter() - start)
+            record = dict(step=p.step, epoch=epoch + 1, loss=loss if finite else None, samples=window.size,
+                          micro_batches=len(window.micro), lr=lr, grad_norm=norm if finite else None,
+                          samples_per_s=rate, samples_seen=p.samples, time=time.perf_counter() - start)
+            if not finite:
+                record["skipped"] = "nonfinite"
+                log.warning(f"step {p.step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; "
+                            f"the window's gradients are dropped, no optimizer step ({p.skipped} skipped so far)")
             if r.comm is not None:
                 record["grad_syncs"], record["comm_bytes"] = r.comm.take()
             metrics.write(record)
-            bar.set_postfix(loss=f"{out.last_loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
             bar.update()
-            if out.steps % trainer.log_every == 0:
-                log.info(f"step {out.steps}/{plan.total_steps} (epoch {epoch + 1}): loss {out.last_loss:.4f}  "
-                         f"lr {lr:.4g}  grad_norm {norm.item():.3g}  {rate:.0f} samples/s")
-            if trainer.eval_every and out.steps % trainer.eval_every == 0:
+            if p.step % trainer.log_every == 0:
+                log.info(f"step {p.step}/{plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}  lr {lr:.4g}  "
+                         f"grad_norm {norm:.3g}  {rate:.0f} samples/s")
+
+            done = p.step == plan.total_steps
+            if done or (p.step % trainer.eval_every == 0 if trainer.eval_every else last_of_epoch):
                 validate_now(epoch)
-            if out.steps == plan.total_steps:
-                break
-        if trainer.eval_every is None or (out.steps == plan.total_steps and out.steps % trainer.eval_every):
-            validate_now(epoch)
+            stopping = stop_votes > 0
+            if done or stopping or (trainer.checkpoint_every and p.step % trainer.checkpoint_every == 0):
+                path = save(p)
+                if stopping or done:
+                    bar.close()
+                    return Outcome(p, time.perf_counter() - start, p.samples - start_samples,
+                                   stop.name if stopping else None, path)
     bar.close()
-    out.seconds = time.perf_counter() - start
-    return out
+    return Outcome(p, time.perf_counter() - start, p.samples - start_samples)
+
+
+def checkpoint_state(r: Run, p: Progress, cfg: DictConfig) -> dict[str, Any]:
+    """The whole training state, gathered on every rank (the RNG states come from all of them)."""
+    rng = checkpoint.rng_state()
+    rngs = [rng]
+    if r.world.size > 1:
+        rngs = [None] * r.world.size
+        torch.distributed.all_gather_object(rngs, rng)
+    return dict(
+        format=checkpoint.FORMAT,
+        model=r.model.state_dict(), optimizer=r.optimizer.state_dict(), scheduler=r.scheduler.state_dict(),
+        progress=asdict(p), rng=rngs,
+        plan=dict(micro_batch=r.plan.micro_batch, accum=r.plan.accum, devices=r.plan.devices,
+                  effective=r.plan.effective, train_size=r.plan.train_size, total_steps=r.plan.total_steps),
+        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        step=p.step, epoch=p.epoch,
+    )
+
+
+def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
+    """The checkpoint `resume` names: a file, a run directory, or auto (this run directory's newest good one)."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        where = run_dir / "checkpoints"
+    else:
+        where = Path(cfg.resume).expanduser()
+        if where.is_dir():
+            where = where / "checkpoints" if (where / "checkpoints").is_dir() else where
+        elif not where.exists():
+            raise UserError(f"resume={cfg.resume}: no such checkpoint file or run directory")
+        else:
+            return where
+    found = checkpoint.Rotation(where, cfg.trainer.keep_checkpoints).latest_good()
+    if found is None:
+        if cfg.resume != "auto":
+            raise UserError(f"resume={cfg.resume}: no readable checkpoint in {where}")
+        log.info(f"resume=auto: no checkpoint in {where} yet: starting from scratch")
+        return None
+    return found[0]
+
+
+def restore(r: Run, path: Path) -> Progress:
+    """Load a checkpoint into the run; refuse one from another model or another effective batch."""
+    state = checkpoint.load(path)
+    saved = state["plan"]
+    if saved["effective"] != r.plan.effective:
+        raise UserError(
+            f"{path} was trained with effective batch {saved['effective']} (micro_batch {saved['micro_batch']} × "
+            f"accum {saved['accum']} × devices {saved['devices']}); this run's is {r.plan.effective}: resuming "
+            "needs the same effective batch")
+    if saved["train_size"] != r.plan.train_size:
+        raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {r.plan.train_size}: "
+                        "resuming needs the same training set")
+    try:
+        r.model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise UserError(f"{path} was written for another model: {str(e).strip().splitlines()[-1].strip()[:200]}"
+                        ) from None
+    r.optimizer.load_state_dict(state["optimizer"])
+    r.scheduler.load_state_dict(state["scheduler"])
+    p = Progress(**state["progress"])
+    split = (saved["micro_batch"], saved["accum"], saved["devices"])
+    if split != (r.plan.micro_batch, r.plan.accum, r.plan.devices):
+        log.info(f"resuming with micro_batch {r.plan.micro_batch} × accum {r.plan.accum} × devices {r.plan.devices} "
+                 f"(the checkpoint's run used {' × '.join(map(str, split))}): the same effective batch "
+                 f"{r.plan.effective}, so the same windows")
+    if saved["total_steps"] != r.plan.total_steps:
+        log.info(f"the checkpoint's run planned {saved['total_steps']} optimizer steps, this one "
+                 f"{r.plan.total_steps}: the schedule follows this run's plan")
+    if len(state["rng"]) == r.world.size:
+        checkpoint.set_rng_state(state["rng"][r.world.rank])
+    else:
+        log.info(f"the checkpoint holds RNG states for {len(state['rng'])} rank(s), this run has {r.world.size}: "
+                 "dropout and augmentation draw new random numbers (the data order is unchanged)")
+        torch.manual_seed(r.cfg.seed * 1_000_003 + p.step * 101 + r.world.rank)
+    log.info(f"resumed from {path} at optimizer step {p.step} (epoch {p.epoch + 1}, window {p.window})")
+    return p
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop what a killed run logged after its checkpoint (and a half-written last line) before resuming there."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def train(world: World, cfg: DictConfig, run_dir: Path) -> Outcome:
-    """One rank's training: config.yaml, metrics.jsonl and checkpoints/last.pt go into run_dir (from rank 0)."""
+    """One rank's training: config.yaml, metrics.jsonl and checkpoints/ go into run_dir (written by rank 0)."""
     device = dist.worker_device(resolve_device(cfg.trainer.device), world)
     dist.init_process_group(world, device)
     main_dir = Path(dist.broadcast_from_main(str(run_dir), world))
@@ -217,26 +350,46 @@ def train(world: World, cfg: DictConfig, run_dir: Path) -> Outcome:
         dist.remove_stray_run_dir(run_dir)
     run_dir = main_dir
     r = setup(cfg, world, device)
+    resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
+    progress = restore(r, resume_from) if resume_from else Progress()
+    rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+
+    def save(p: Progress) -> Optional[Path]:
+        state = checkpoint_state(r, p, cfg)
+        path = None
+        if world.main:
+            if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+                raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
+                                f"(the last good one is {rotation.steps()[0] if rotation.steps() else 'none'})")
+            path = rotation.save(state, p.step)
+        if world.size > 1:
+            torch.distributed.barrier()  # no rank leaves before the checkpoint is on disk
+        return path
+
     if world.main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if resume_from:
+            keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None)
     try:
-        out = fit(r, metrics)
+        with StopRequest(announce=world.main) as stop:
+            out = fit(r, metrics, progress, save, stop)
     finally:
         metrics.close()
+    p = out.progress
     if world.main:
-        checkpoint.save_atomic(
-            dict(model=r.model.state_dict(), optimizer=r.optimizer.state_dict(), scheduler=r.scheduler.state_dict(),
-                 step=out.steps, epoch=r.plan.total_epochs,
-                 config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
-            run_dir / "checkpoints" / "last.pt",
-        )
-        log.info(summary_line(out.steps, out.samples, out.seconds, out.last_loss, out.best_acc, out.best_step))
-        log.info(f"outputs in {run_dir}")
+        log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, p.best_acc, p.best_step)
+                 + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+        if out.stopped_by:
+            log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {r.plan.total_steps}; "
+                        f"checkpoint {out.checkpoint}. Resume with the same command plus: resume=auto "
+                        f"hydra.run.dir={run_dir}")
+        else:
+            log.info(f"outputs in {run_dir}")
     return out
 
 
-def run(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> None:
+def run(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> Outcome:
     """Train as configured: in this process, in `devices` spawned workers, or as one rank of torchrun's world."""
     validate(cfg)
     device = resolve_device(cfg.trainer.device)
@@ -247,11 +400,9 @@ def run(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> No
         if cfg.devices not in ("auto", world.size):
             raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
                             f"or set devices={world.size}")
-        train(world, cfg, run_dir)
-        return
+        return train(world, cfg, run_dir)
     n = dist.count_devices(cfg.devices, device.type)
     if n == 1:
-        train(World(), cfg, run_dir)
-    else:
-        log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
-        dist.spawn(n, train, (cfg, run_dir), log_config)
+        return train(World(), cfg, run_dir)
+    log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
+    return dist.spawn(n, train, (cfg, run_dir), log_config)

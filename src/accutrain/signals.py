@@ -1,0 +1,45 @@
+"""Preemption: the first SIGTERM or SIGINT asks the loop to stop after the current optimizer step and checkpoint;
+a second SIGINT stops at once."""
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("accutrain")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """Signal handlers for the training process; `signum` is set once a stop has been asked for."""
+
+    def __init__(self, on_request: Optional[Callable[[int], None]] = None, announce: bool = True) -> None:
+        self.signum: Optional[int] = None
+        self.on_request, self.announce = on_request, announce
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signum is None:
+            self.signum = signum
+            if self.announce:
+                log.warning(f"{signal.Signals(signum).name}: finishing the current optimizer step, then "
+                            "checkpointing (a second Ctrl-C stops at once)")
+            if self.on_request:
+                self.on_request(signum)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "StopRequest":
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

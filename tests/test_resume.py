@@ -1,0 +1,262 @@
+"""Never lose a run: exact resume after SIGKILL/SIGTERM, safe loading, the non-finite policies, bad input."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, assert_one_line_error, cli_command, final_weights, read_metrics, train_run
+
+# A model that sleeps in forward (numerics untouched) so that a kill can land at a chosen optimizer step, and
+# dropout so that an RNG state not restored would show.
+SLOW_MODEL = """
+import time
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size, width=32, delay=0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, width), nn.ReLU(),
+                                 nn.Dropout(0.3), nn.Linear(width, num_classes))
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay)
+        return self.net(x)
+"""
+
+RUN = [*TINY[2:], "model=custom", "model._target_=slow.Net", "data.size=117", "trainer.epochs=3",
+       "micro_batch=8", "accum=4", "trainer.checkpoint_every=1", "optim=adamw"]
+
+
+@pytest.fixture
+def slow(tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    return tmp_path
+
+
+def start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the run did not reach step {steps}")
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_killed_and_resumed_run_ends_bit_identical(slow, how):
+    reference, _ = train_run(slow, "reference", *RUN)
+    kill_after = random.Random().randint(2, 10)  # step k is logged after checkpoint k-1 is on disk
+    proc = start(slow, "killed", *RUN, "+model.delay=0.02")
+    wait_for_steps(slow / "killed", kill_after, proc)
+    proc.send_signal(getattr(signal, how))
+    code = proc.wait(timeout=120)
+    log = (slow / "killed.log").read_text()
+    if how == "SIGTERM":  # finished the step, checkpointed, said how to resume, exited non-zero
+        assert code == 128 + signal.SIGTERM, log
+        assert "Resume with the same command plus: resume=auto" in log
+    else:
+        assert code == -signal.SIGKILL
+    resumed, proc_out = train_run(slow, "killed", *RUN, "resume=auto")
+    assert "resumed from" in proc_out.stderr
+    assert_identical(final_weights(resumed), final_weights(reference))
+    steps = read_metrics(resumed)[0]
+    assert [r["step"] for r in steps] == list(range(1, 13))  # what the killed run logged after its checkpoint is gone
+    assert [r["loss"] for r in steps] == [r["loss"] for r in read_metrics(reference)[0]]
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+    big = [*TINY[2:], "model=mlp", "model.hidden=[1024,1024]", "data.image_size=16", "data.size=130",
+           "trainer.epochs=2", "micro_batch=16", "accum=2", "trainer.checkpoint_every=1"]
+    reference, _ = train_run(tmp_path, "reference", *big)
+    proc = start(tmp_path, "killed", *big)
+    ckpts, caught = tmp_path / "killed" / "checkpoints", False
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir()) and len(os.listdir(ckpts)) > 2:
+            proc.kill()  # a checkpoint is being written right now
+            caught = True
+            break
+    proc.wait(timeout=60)
+    assert caught, "the run ended before a checkpoint write could be interrupted"
+    assert any(p.name.endswith(".tmp") for p in ckpts.iterdir())  # the half-written file is there, and ignored
+    resumed, _ = train_run(tmp_path, "killed", *big, "resume=auto")
+    assert_identical(final_weights(resumed), final_weights(reference))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_at_the_same_step_and_resumes_exactly(slow):
+    args = [*RUN, "devices=2", "accum=2"]
+    reference, _ = train_run(slow, "reference", *args)
+    proc = start(slow, "killed", *args, "+model.delay=0.02")
+    wait_for_steps(slow / "killed", 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    resumed, _ = train_run(slow, "killed", *args, "resume=auto")
+    assert_identical(final_weights(resumed), final_weights(reference))
+
+
+def rewind(run_dir: Path, step: int) -> Path:
+    """Make a finished run look killed after optimizer step `step`: drop its newer checkpoints."""
+    ckpts = run_dir / "checkpoints"
+    for path in ckpts.glob("step-*.pt"):
+        if int(path.stem.split("-")[1]) > step:
+            path.unlink()
+    (ckpts / "last.pt").unlink()
+    return ckpts
+
+
+@pytest.mark.slow
+def test_resume_auto_falls_back_past_a_corrupt_checkpoint(slow):
+    reference, _ = train_run(slow, "reference", *RUN)
+    train_run(slow, "run", *RUN, "trainer.keep_checkpoints=20")
+    ckpts = rewind(slow / "run", 5)
+    bad = ckpts / "step-00000006.pt"  # a newer file cut short: the run must not trust it
+    good = ckpts / "step-00000005.pt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    resumed, proc = train_run(slow, "run", *RUN, "resume=auto")
+    assert "step-00000006.pt is truncated or corrupt" in proc.stderr
+    assert "falling back to the previous checkpoint (step-00000005.pt)" in proc.stderr
+    assert "resumed from" in proc.stderr and "at optimizer step 5" in proc.stderr
+    assert_identical(final_weights(resumed), final_weights(reference))
+
+
+@pytest.mark.slow
+def test_resume_with_another_split_of_the_same_effective_batch(slow):
+    reference, _ = train_run(slow, "reference", *RUN)
+    train_run(slow, "run", *RUN, "trainer.keep_checkpoints=20")
+    rewind(slow / "run", 5)
+    resumed, proc = train_run(slow, "run", *RUN, "micro_batch=4", "accum=8", "resume=auto")
+    assert "resuming with micro_batch 4 × accum 8 × devices 1 (the checkpoint's run used 8 × 4 × 1)" in proc.stderr
+    for key, value in final_weights(reference).items():  # same windows; only the float summation order differs
+        torch.testing.assert_close(final_weights(resumed)[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_auto_without_a_checkpoint_starts_from_scratch(tmp_path):
+    _, proc = train_run(tmp_path, "fresh", *TINY, "data.size=40", "trainer.max_steps=2", "resume=auto")
+    assert "no checkpoint" in proc.stderr and "starting from scratch" in proc.stderr
+
+
+def test_checkpoints_rotate_and_last_is_the_newest(tmp_path):
+    run_dir, _ = train_run(tmp_path, "run", *TINY, "data.size=64", "micro_batch=8", "trainer.max_steps=7",
+                           "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2")
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-00000006.pt", "step-00000007.pt"]
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["step"] == 7 and last["progress"]["step"] == 7
+    assert {"model", "optimizer", "scheduler", "rng", "progress", "plan", "config"} <= last.keys()
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {Path(os.environ['EXPLOIT_MARKER'])}",))
+
+
+def test_a_checkpoint_carrying_pickled_code_is_refused_not_run(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": 1, "model": {}, "payload": Exploit()}, evil)
+    _, proc = train_run(tmp_path, "run", *TINY, "data.size=40", f"resume={evil}", check=False)
+    assert_one_line_error(proc, "refusing to load", "evil.pt")
+    assert not marker.exists()
+
+
+def test_truncated_checkpoint_is_one_line(tmp_path):
+    run_dir, _ = train_run(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
+    last = run_dir / "checkpoints" / "last.pt"
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(last.read_bytes()[:1000])
+    _, proc = train_run(tmp_path, "again", *TINY, "data.size=40", f"resume={cut}", check=False)
+    assert_one_line_error(proc, "cut.pt is truncated or corrupt")
+
+
+def test_checkpoint_from_another_model_or_batch_is_refused(tmp_path):
+    run_dir, _ = train_run(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
+    _, proc = train_run(tmp_path, "other", *TINY, "model.hidden=[64]", "data.size=40", f"resume={run_dir}",
+                        check=False)
+    assert_one_line_error(proc, "was written for another model")
+    _, proc = train_run(tmp_path, "bigger", *TINY, "data.size=40", "micro_batch=16", f"resume={run_dir}",
+                        check=False)
+    assert_one_line_error(proc, "was trained with effective batch 32", "this run's is 16")
+    _, proc = train_run(tmp_path, "nowhere", *TINY, "resume=/nonexistent/last.pt", check=False)
+    assert_one_line_error(proc, "resume=/nonexistent/last.pt: no such checkpoint")
+
+
+NAN_DATA = """
+import torch
+from accutrain.data import Datasets, InMemory
+
+def make(size=64, bad=(5,)):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(size, 1, 4, 4, generator=g), torch.randint(3, (size,), generator=g)
+    for i in bad:
+        x[i] = float("nan")
+    return Datasets(InMemory(x, y), InMemory(x[:8].nan_to_num(), y[:8]), 3, (1, 4, 4), "nan data")
+"""
+
+
+def test_nonfinite_stop_names_the_step(tmp_path):
+    (tmp_path / "nandata.py").write_text(NAN_DATA)
+    run_dir, proc = train_run(tmp_path, "stop", "model=mlp", "data=custom", "data._target_=nandata.make",
+                              "micro_batch=8", "accum=2", "trainer.epochs=2", "trainer.checkpoint_every=1",
+                              "trainer.progress=false", check=False)
+    assert_one_line_error(proc, "non-finite loss at optimizer step", "trainer.on_nonfinite=skip")
+    for path in (run_dir / "checkpoints").glob("*.pt"):  # every checkpoint written holds finite weights
+        assert all(torch.isfinite(t).all() for t in torch.load(path, weights_only=True)["model"].values())
+
+
+def test_nonfinite_skip_drops_the_window_and_counts_it(tmp_path):
+    (tmp_path / "nandata.py").write_text(NAN_DATA)
+    run_dir, proc = train_run(tmp_path, "skip", "model=mlp", "data=custom", "data._target_=nandata.make",
+                              "micro_batch=8", "accum=2", "trainer.epochs=2", "trainer.on_nonfinite=skip",
+                              "trainer.progress=false")
+    steps = read_metrics(run_dir)[0]
+    skipped = [r for r in steps if r.get("skipped")]
+    assert len(skipped) == 2 and len(steps) == 8  # the poisoned window, once per epoch
+    assert all(r["loss"] is None for r in skipped)
+    assert "2 non-finite windows skipped" in proc.stderr
+    assert all(torch.isfinite(t).all() for t in final_weights(run_dir).values())
+
+
+def test_a_corrupt_image_is_named(tmp_path):
+    from test_data import make_image_folder
+    root = make_image_folder(tmp_path / "images")
+    broken = root / "train" / "dog" / "3.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n this is not a picture")
+    for workers in (0, 2):
+        _, proc = train_run(tmp_path, f"w{workers}", "model=cnn", "data=imagefolder", f"data.root={root}",
+                            "data.image_size=8", f"data.num_workers={workers}", "micro_batch=4", "trainer.epochs=1",
+                            check=False)
+        assert_one_line_error(proc, f"cannot read image {broken}")
+
+
+def test_an_unwritable_output_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _, proc = train_run(tmp_path, "a_file/run", *TINY, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "cannot create the output directory", "Not a directory")
