@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accutrain import checkpoint, data, models
+from accutrain import checkpoint, data, lr_scaling, models
 from accutrain.config import load_target, validate
 from accutrain.errors import UserError
 from accutrain.metrics import MetricsLog, progress_bar, summary_line
@@ -101,7 +101,11 @@ def setup(cfg: DictConfig) -> Run:
                                datasets.num_classes).to(device)
     log.info(f"model {cfg.model.get('name', cfg.model._target_)}: {models.count_parameters(model):,} parameters, "
              f"on {device}")
-    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim)
+    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim, *lr_scaling.KEYS)
+    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
+    optim_kwargs["lr"] = lr_scaling.scaled_lr(*scaling)
+    if line := lr_scaling.describe(*scaling):
+        log.info(line)
     optimizer = make_optimizer(model, **optim_kwargs)
     make_scheduler, sched_kwargs = factory_kwargs("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
