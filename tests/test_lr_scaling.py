@@ -26,8 +26,10 @@ def test_scaled_lr(rule, effective, base, expected):
 
 
 def test_the_start_up_line():
-    assert describe(0.05, 64, LRScaling.linear, 32) == "lr 0.1 = 0.05 × 64/32 (optim.lr_scaling=linear, base_batch 32)"
-    assert describe(1e-3, 128, LRScaling.sqrt, 32) == "lr 0.002 = 0.001 × √(128/32) (optim.lr_scaling=sqrt, base_batch 32)"
+    assert describe(0.05, 64, LRScaling.linear, 32) == (
+        "lr 0.1 = 0.05 × 64/32 (optim.lr_scaling=linear, base_batch 32)")
+    assert describe(1e-3, 128, LRScaling.sqrt, 32) == (
+        "lr 0.002 = 0.001 × √(128/32) (optim.lr_scaling=sqrt, base_batch 32)")
     assert describe(0.05, 64, LRScaling.none, 32) is None
 
 

@@ -250,8 +250,8 @@ def markdown(rows: list[RunRow], root: Path, image: Optional[str]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-CSV_FIELDS = ["job", "path", "overrides", "effective_batch", "micro_batch", "accum", "devices", "steps",
-              "final_loss", "best_val_loss", "best_val_acc", "samples_per_s", "peak_mem_mb", "wall_s", "status", "error"]
+CSV_FIELDS = ["job", "path", "overrides", "effective_batch", "micro_batch", "accum", "devices", "steps", "final_loss",
+              "best_val_loss", "best_val_acc", "samples_per_s", "peak_mem_mb", "wall_s", "status", "error"]
 
 
 def write_csv(rows: list[RunRow], path: Path) -> None:
@@ -275,15 +275,14 @@ class Report:
     files: list[Path]
 
 
-def write_report(root: Path) -> Report:
-    """Write summary.md and summary.csv into root, and summary.png (a sweep) or loss.png (a single run).
-
-    A plot that cannot be drawn is a warning, not an error. UserError when root holds no run."""
+def write_report(root: Path, rows: Optional[list[RunRow]] = None) -> Report:
+    """Write summary.md and summary.csv into root, and summary.png (a sweep) or loss.png (a single run), from
+    `rows` (default: collect(root)). A plot that cannot be drawn is a warning; UserError when root holds no run."""
     from accutrain import plots  # matplotlib is imported only when a plot is drawn
 
     if not root.is_dir():
         raise UserError(f"{root} is not a directory: expected a run or sweep directory")
-    rows = collect(root)
+    rows = collect(root) if rows is None else rows
     if not rows:
         raise UserError(f"no accutrain run in {root}: expected a folder with status.json, metrics.jsonl or "
                         f".hydra/overrides.yaml, in it or below it")

@@ -15,14 +15,18 @@ class SweepSummary(Callback):
 
     failed_jobs: ClassVar[int] = 0  # jobs of the last multirun recorded as failed; read by accutrain.cli.main
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        SweepSummary.failed_jobs = 0
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from accutrain.report import collect, write_report
 
         # Printed rather than logged: after in-process jobs the root logger still writes into the last job's log.
         sweep_dir = Path(str(config.hydra.sweep.dir))
         try:
-            SweepSummary.failed_jobs = sum(r.status == "failed" for r in collect(sweep_dir))
-            report = write_report(sweep_dir)
+            rows = collect(sweep_dir)
+            SweepSummary.failed_jobs = sum(r.status == "failed" for r in rows)
+            report = write_report(sweep_dir, rows)
         except Exception as e:  # the jobs ran and recorded their outcome; a summary failing must not hide that
             print(f"accutrain: could not summarise {sweep_dir}: {type(e).__name__}: {e}", file=sys.stderr)
             return
