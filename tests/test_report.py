@@ -175,6 +175,16 @@ def test_states():
     assert current_state(dict(state="running", host=host + "-elsewhere", pid=dead_pid())) == "running"
 
 
+@pytest.mark.skipif(not hasattr(os, "waitid") or not os.path.isdir("/proc"), reason="needs Linux /proc")
+def test_a_killed_process_not_yet_reaped_counts_as_ended():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has ended but is not reaped: a zombie
+    try:
+        assert current_state(dict(state="running", host=socket.gethostname(), pid=proc.pid)) == "interrupted"
+    finally:
+        proc.wait()
+
+
 def test_recorded_marks_every_outcome(tmp_path):
     with recorded(tmp_path):
         assert status(tmp_path)["state"] == "running"

@@ -58,13 +58,18 @@ def read_status(run_dir: Path) -> Optional[dict[str, Any]]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process exists on this host and has not ended (a killed process not yet reaped is a zombie)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: it exists
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (macOS): trust os.kill
         return True
-    return True
+    return state not in ("Z", "X")
 
 
 def current_state(record: Optional[dict[str, Any]]) -> str:
