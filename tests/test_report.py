@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from accutrain import report
-from accutrain.run_status import current_state, one_line, recorded, write_status
 from accutrain.errors import UserError
+from accutrain.run_status import current_state, one_line, recorded, write_status
 from conftest import TINY, assert_one_line_error, read_metrics, run_cli, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=4", "accum=2", "trainer.max_steps=4", "trainer.eval_every=2"]

@@ -78,6 +78,7 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 
 
 def read_overrides(run_dir: Path) -> list[str]:
+    """The command-line overrides Hydra recorded for the run (empty when there are none or they cannot be read)."""
     try:
         overrides = yaml.safe_load((run_dir / OVERRIDES_FILE).read_text())
     except (OSError, yaml.YAMLError):
@@ -147,6 +148,7 @@ def read_run(run_dir: Path, job: str) -> RunRow:
 
 
 def is_run_dir(path: Path) -> bool:
+    """A folder an accutrain run wrote into: it holds status.json, metrics.jsonl or .hydra/overrides.yaml."""
     return any((path / marker).is_file() for marker in RUN_MARKERS)
 
 
@@ -194,6 +196,7 @@ HEADER = ["job", "overrides", "effective batch", "micro_batch × accum × device
 
 
 def table_cells(rows: list[RunRow]) -> list[list[str]]:
+    """One list of formatted cells per run, in HEADER's order; the overrides column leaves out the shared ones."""
     common = set(common_overrides(rows))
     cells = []
     for r in rows:
@@ -234,11 +237,13 @@ def overview(rows: list[RunRow], root: Path) -> str:
 
 
 def failures(rows: list[RunRow]) -> str:
+    """One line per failed run with its recorded error; empty when none failed."""
     failed = [r for r in rows if r.status == "failed"]
     return "\n".join(f"- {r.job} failed: {r.error or 'no message recorded'}" for r in failed)
 
 
 def markdown(rows: list[RunRow], root: Path, image: Optional[str]) -> str:
+    """summary.md: the overview, the table, the failures, what the columns mean, and the plot when there is one."""
     parts = ["# accutrain summary", overview(rows, root), markdown_table(rows)]
     if text := failures(rows):
         parts.append(text)
