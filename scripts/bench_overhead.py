@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
+from accutrain import lr_scaling
 from accutrain.cli import config_dir
 from accutrain.config import register_schemas
 from accutrain.models import build_model
@@ -57,9 +58,11 @@ def hand_written(cfg, steps: int, warmup: int) -> float:
     torch.manual_seed(cfg.seed)
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True), datasets.sample_shape,
                         datasets.num_classes)
-    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim)
-    optimizer = make_optimizer(model, **optim_kwargs)
     accum = cfg.accum or 1
+    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim, *lr_scaling.KEYS)
+    optim_kwargs["lr"] = lr_scaling.scaled_lr(cfg.optim.lr, cfg.micro_batch * accum, cfg.optim.lr_scaling,
+                                              cfg.optim.base_batch)
+    optimizer = make_optimizer(model, **optim_kwargs)
     loader = DataLoader(datasets.train, batch_size=cfg.micro_batch, shuffle=True,
                         generator=torch.Generator().manual_seed(cfg.seed))
     times, samples, window = [], [], 0

@@ -5,14 +5,19 @@ import logging
 import os
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config import register_schemas
-from accutrain.errors import UserError, one_line
+from accutrain.errors import Preempted, UserError, one_line
+from accutrain.plots import write_loss_plot
+from accutrain.run_status import recorded
+from accutrain.sweep import SweepSummary
 
 log = logging.getLogger("accutrain")
 
@@ -29,22 +34,42 @@ def config_dir() -> Path:
 register_schemas()
 
 
+def torchrun_secondary() -> bool:
+    """This process is a rank other than 0 of a world torchrun started."""
+    return os.environ.get("RANK", "0") != "0" and "LOCAL_RANK" in os.environ
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _train(cfg: DictConfig) -> None:
+    """One run. A single run ends a user error with exit 2; in a multirun a failing job (user error or crash) is
+    recorded as failed in its status.json and the sweep goes on. A preempted run (SIGTERM/SIGINT) ends the
+    command, after its checkpoint, with exit code 128 + the signal."""
     from accutrain.train import run  # imported here so that `--help` and config errors stay fast
 
     hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
+    primary = not torchrun_secondary()  # one process records the run's status and plots its loss
     try:
-        outcome = run(cfg, Path(hydra_cfg.runtime.output_dir), log_config)
+        with recorded(run_dir) if primary else nullcontext():  # status.json: running, then how it ended
+            run(cfg, run_dir, log_config)
     except UserError as e:
         log.error(one_line(e))
-        sys.exit(2)
+        if not multirun:
+            sys.exit(2)
+    except Preempted as e:
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         log.error("interrupted: stopped at once, without a checkpoint")
         sys.exit(128 + signal.SIGINT)
-    if outcome is not None and outcome.stopped_by:
-        sys.exit(128 + signal.Signals[outcome.stopped_by])
+    except Exception:
+        if not multirun:
+            raise
+        log.exception("this job failed; the sweep goes on")
+    finally:
+        if primary:
+            write_loss_plot(run_dir)
 
 
 def check_output_dir(argv: list[str]) -> None:
@@ -63,10 +88,12 @@ def check_output_dir(argv: list[str]) -> None:
 def main() -> None:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # user plug-ins (`_target_`) import from the working directory, as with -m
-    if os.environ.get("RANK", "0") != "0" and "LOCAL_RANK" in os.environ:
+    if torchrun_secondary():
         sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
     check_output_dir(sys.argv[1:])
     _train()
+    if SweepSummary.failed_jobs:  # a multirun whose summary counted failed jobs
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ class LastWindow(enum.Enum):
     drop = "drop"  # drop it
 
 
+class LRScaling(enum.Enum):
+    none = "none"  # optim.lr as given
+    linear = "linear"  # optim.lr × effective batch / optim.base_batch (the linear scaling rule)
+    sqrt = "sqrt"  # optim.lr × √(effective batch / optim.base_batch), for adaptive optimisers
+
+
 # --- model/ -------------------------------------------------------------------------------------------
 # `_target_` is the factory; every other key is a keyword argument of it, except those in MODEL_KEYS_NOT_ARGS.
 @dataclass
@@ -103,6 +109,8 @@ class OptimConfig:
     _target_: str = MISSING
     lr: float = MISSING
     weight_decay: float = 0.0
+    lr_scaling: LRScaling = LRScaling.none
+    base_batch: Optional[int] = None  # the effective batch optim.lr was tuned for; needed by lr_scaling
 
 
 @dataclass
@@ -253,3 +261,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
     if cfg.optim.lr <= 0:
         raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")
+    if cfg.optim.base_batch is not None and cfg.optim.base_batch < 1:
+        raise UserError(f"optim.base_batch={cfg.optim.base_batch} is not valid: expected a positive batch size or null")
+    if cfg.optim.lr_scaling is not LRScaling.none and cfg.optim.base_batch is None:
+        raise UserError(f"optim.lr_scaling={cfg.optim.lr_scaling.name} needs optim.base_batch, the effective batch "
+                        f"optim.lr was tuned for (e.g. optim.base_batch=32)")

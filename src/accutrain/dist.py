@@ -206,7 +206,9 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
             raise UserError(errors.get()[1]) from None
         raise RuntimeError(f"rank {e.error_index} of {nprocs} died (exit code {e.exit_code}); every rank stopped")
     except torch.multiprocessing.ProcessRaisedException as e:
-        raise RuntimeError(f"rank {e.error_index} of {nprocs} failed; every rank stopped. Its error:\n{e}") from None
+        cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
+        raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
+                           f"\n{e}") from None
     except KeyboardInterrupt:
         for process in context.processes:
             process.kill()

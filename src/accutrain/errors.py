@@ -1,14 +1,25 @@
-"""The one exception type for mistakes a user can make; the CLI prints it as one line and exits non-zero."""
+"""Exceptions that end a run on purpose, and how a user error reads in one line."""
+from __future__ import annotations
 
 
 class UserError(Exception):
     """A bad config value, missing data, a bad checkpoint: something the user can fix, not a bug."""
 
 
-def one_line(error: UserError) -> str:
-    """The error's message; from a DataLoader worker, the original message rather than the worker's traceback."""
-    message = str(error)
-    if "Original Traceback" in message:
-        last = message.strip().splitlines()[-1]
-        message = last.split(f"{UserError.__module__}.{UserError.__name__}: ", 1)[-1]
-    return message
+class Preempted(Exception):
+    """The run stopped early on a signal, after writing a checkpoint it can resume from."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+def one_line(error: BaseException) -> str:
+    """A user error's own message (from a DataLoader worker: the original one, not the worker's traceback);
+    anything else as `Type: message`, first line only."""
+    message = str(error).strip()
+    if isinstance(error, UserError) and "Original Traceback" in message:
+        message = message.splitlines()[-1].split(f"{UserError.__module__}.{UserError.__name__}: ", 1)[-1]
+    elif not isinstance(error, UserError):
+        message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return message.splitlines()[0] if message else type(error).__name__

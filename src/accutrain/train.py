@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import random
+import signal
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -18,10 +19,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from accutrain import checkpoint, data, dist, models
+from accutrain import checkpoint, data, dist, lr_scaling, models
 from accutrain.config import OnNonFinite, load_target, validate
 from accutrain.dist import World
-from accutrain.errors import UserError
+from accutrain.errors import Preempted, UserError
 from accutrain.metrics import MetricsLog, progress_bar, summary_line
 from accutrain.plan import BatchPlan, make_plan
 from accutrain.signals import StopRequest
@@ -127,7 +128,11 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
         comm = dist.CommStats(process_group=None)
         forward.register_comm_hook(comm, dist.counting_allreduce_hook)
         no_sync = forward.no_sync
-    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim)
+    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim, *lr_scaling.KEYS)
+    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
+    optim_kwargs["lr"] = lr_scaling.scaled_lr(*scaling)
+    if line := lr_scaling.describe(*scaling):
+        log.info(line)
     optimizer = make_optimizer(model, **optim_kwargs)
     make_scheduler, sched_kwargs = factory_kwargs("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
@@ -390,7 +395,17 @@ def train(world: World, cfg: DictConfig, run_dir: Path) -> Outcome:
 
 
 def run(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> Outcome:
-    """Train as configured: in this process, in `devices` spawned workers, or as one rank of torchrun's world."""
+    """Train as configured; raise Preempted if a signal stopped the run early (after its checkpoint)."""
+    out = launch(cfg, run_dir, log_config)
+    if out is not None and out.stopped_by:
+        signum = signal.Signals[out.stopped_by]
+        raise Preempted(signum, f"stopped by {out.stopped_by} after optimizer step {out.progress.step}; "
+                                f"checkpoint {out.checkpoint}")
+    return out
+
+
+def launch(cfg: DictConfig, run_dir: Path, log_config: Optional[dict]) -> Outcome:
+    """Train in this process, in `devices` spawned workers, or as one rank of torchrun's world."""
     validate(cfg)
     device = resolve_device(cfg.trainer.device)
     world = dist.torchrun_world()

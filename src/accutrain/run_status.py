@@ -1,0 +1,98 @@
+"""status.json in a run directory: `running` from the start, then `completed`, `failed` (with the error in one
+line) or `interrupted`, so that a report can tell finished, broken and still-running runs apart."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from accutrain.errors import Preempted, one_line
+
+STATUS_FILE = "status.json"
+FINAL_STATES = ("completed", "failed", "interrupted")
+
+log = logging.getLogger("accutrain")
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="milliseconds")
+
+
+def write_status(run_dir: Path, state: str, error: Optional[str] = None) -> None:
+    """Replace run_dir/status.json atomically; a final state keeps the start time. Never raises: logs a warning."""
+    record: dict[str, Any] = {"state": state, "started": _now(), "host": socket.gethostname(), "pid": os.getpid()}
+    if state != "running":
+        record["started"] = (read_status(run_dir) or {}).get("started", record["started"])
+        record["ended"] = _now()
+    if error is not None:
+        record["error"] = error
+    path = run_dir / STATUS_FILE
+    tmp = path.with_name(f".{STATUS_FILE}.tmp")
+    try:
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning(f"could not record the run's status in {path}: {e}")
+
+
+def read_status(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The status record, or None when there is none or it cannot be read."""
+    try:
+        record = json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "state" in record else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process exists on this host and has not ended (a killed process not yet reaped is a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (macOS): trust os.kill
+        return True
+    return state not in ("Z", "X")
+
+
+def current_state(record: Optional[dict[str, Any]]) -> str:
+    """completed | failed | interrupted | running | unknown (no record).
+
+    A `running` record whose process is gone from this host was killed without a word: interrupted. On another
+    host (a cluster node) that cannot be checked, so it stays running.
+    """
+    if record is None:
+        return "unknown"
+    state = record["state"]
+    if state in FINAL_STATES:
+        return state
+    if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) and not _alive(record["pid"]):
+        return "interrupted"
+    return "running"
+
+
+@contextmanager
+def recorded(run_dir: Path) -> Iterator[None]:
+    """Mark the run running, then completed, failed (error in one line) or interrupted (a signal); re-raises."""
+    write_status(run_dir, "running")
+    try:
+        yield
+    except KeyboardInterrupt:
+        write_status(run_dir, "interrupted")
+        raise
+    except Preempted as e:
+        write_status(run_dir, "interrupted", str(e))
+        raise
+    except BaseException as e:
+        write_status(run_dir, "failed", one_line(e))
+        raise
+    write_status(run_dir, "completed")

@@ -1,0 +1,73 @@
+"""optim.lr_scaling: the learning rate follows the effective batch, says so at start, and refuses a missing base."""
+import math
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from accutrain.cli import config_dir
+from accutrain.config import LRScaling, register_schemas, validate
+from accutrain.errors import UserError
+from accutrain.lr_scaling import describe, scaled_lr
+from conftest import TINY, assert_one_line_error, read_metrics, train_run
+
+register_schemas()
+
+
+@pytest.mark.parametrize("rule, effective, base, expected", [
+    (LRScaling.none, 256, None, 0.05),
+    (LRScaling.none, 256, 32, 0.05),
+    (LRScaling.linear, 64, 32, 0.1),
+    (LRScaling.linear, 16, 32, 0.025),
+    (LRScaling.sqrt, 128, 32, 0.1),
+    (LRScaling.sqrt, 64, 32, 0.05 * math.sqrt(2)),
+])
+def test_scaled_lr(rule, effective, base, expected):
+    assert scaled_lr(0.05, effective, rule, base) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_start_up_line():
+    assert describe(0.05, 64, LRScaling.linear, 32) == (
+        "lr 0.1 = 0.05 × 64/32 (optim.lr_scaling=linear, base_batch 32)")
+    assert describe(1e-3, 128, LRScaling.sqrt, 32) == (
+        "lr 0.002 = 0.001 × √(128/32) (optim.lr_scaling=sqrt, base_batch 32)")
+    assert describe(0.05, 64, LRScaling.none, 32) is None
+
+
+def make(*overrides):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_every_optimizer_defaults_to_no_scaling(optim):
+    cfg = make(f"optim={optim}")
+    assert cfg.optim.lr_scaling is LRScaling.none and cfg.optim.base_batch is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr_scaling=linear"], "optim.lr_scaling=linear needs optim.base_batch"),
+    (["optim.lr_scaling=sqrt"], "optim.lr_scaling=sqrt needs optim.base_batch"),
+    (["optim.base_batch=0"], "optim.base_batch=0 is not valid"),
+])
+def test_scaling_needs_a_positive_base_batch(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        validate(make(*overrides))
+
+
+def test_an_unknown_rule_is_refused_by_name():
+    with pytest.raises(Exception) as info:
+        make("optim.lr_scaling=cubic")
+    assert "expected one of [none, linear, sqrt]" in str(info.value) + str(info.value.__cause__)
+
+
+def test_a_run_scales_its_learning_rate_and_logs_it(tmp_path):
+    run_dir, proc = train_run(tmp_path, "run", *TINY, "data.size=64", "micro_batch=4", "accum=4", "sched=constant",
+                              "optim.lr=0.05", "optim.lr_scaling=linear", "optim.base_batch=8",
+                              "trainer.max_steps=3")
+    assert "lr 0.1 = 0.05 × 16/8 (optim.lr_scaling=linear, base_batch 8)" in proc.stderr
+    steps, _ = read_metrics(run_dir)
+    assert [r["lr"] for r in steps] == pytest.approx([0.1] * 3, rel=1e-12)
+
+    _, proc = train_run(tmp_path, "missing", *TINY, "optim.lr_scaling=sqrt", check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "optim.lr_scaling=sqrt needs optim.base_batch")

@@ -1,0 +1,199 @@
+"""Run status, loss.png and `accutrain-report` on a finished, a failed and a half-finished run."""
+import csv
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from accutrain import report
+from accutrain.errors import UserError
+from accutrain.run_status import current_state, one_line, recorded, write_status
+from conftest import TINY, assert_one_line_error, read_metrics, run_cli, train_run
+
+QUICK = [*TINY, "data.size=40", "micro_batch=4", "accum=2", "trainer.max_steps=4", "trainer.eval_every=2"]
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def status(run_dir):
+    return json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    run_dir, proc = train_run(tmp, "run", *QUICK)
+    return run_dir, proc
+
+
+def test_a_run_records_its_status_and_draws_its_loss(finished_run):
+    run_dir, proc = finished_run
+    record = status(run_dir)
+    assert record["state"] == "completed" and "error" not in record
+    assert record["started"] <= record["ended"]
+    with Image.open(run_dir / "loss.png") as image:
+        image.verify()
+    assert "warning" not in proc.stderr
+
+
+def test_report_on_a_single_run(finished_run, tmp_path):
+    run_dir = shutil.copytree(finished_run[0], tmp_path / "run")
+    (run_dir / "loss.png").unlink()
+    proc = run_cli(str(run_dir), cwd=tmp_path, script="accutrain-report")
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 2, proc.stdout
+    cells = [c.strip() for c in table[1].strip().strip("|").split("|")]
+    assert (cells[2], cells[3], cells[4], cells[-1]) == ("8", "4 × 2 × 1", "4", "completed")
+    assert "1 run, 1 completed" in proc.stdout
+    steps, evals = read_metrics(run_dir)
+    (row,) = list(csv.DictReader(open(run_dir / "summary.csv", newline="")))
+    assert (row["effective_batch"], row["steps"], row["status"]) == ("8", "4", "completed")
+    assert float(row["final_loss"]) == pytest.approx(steps[-1]["loss"])
+    assert float(row["best_val_loss"]) == pytest.approx(min(e["val_loss"] for e in evals))
+    assert row["peak_mem_mb"] == ""  # not recorded by this version: "–" in the table
+    assert "data.size=40" in row["overrides"].split()
+    assert "loss.png" in (run_dir / "summary.md").read_text()
+    with Image.open(run_dir / "loss.png") as image:
+        image.verify()
+
+
+def half_finished(finished_run, tmp_path, pid):
+    """The finished run as a killed (or still running) one leaves it: metrics cut mid-line, status running."""
+    run_dir = shutil.copytree(finished_run[0], tmp_path / "run")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    step_lines = [i for i, line in enumerate(lines) if '"loss"' in line]
+    cut = step_lines[2]  # keep two whole steps, then half of the third
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:cut]) + lines[cut][: len(lines[cut]) // 2])
+    record = status(run_dir)
+    (run_dir / "status.json").write_text(json.dumps(dict(state="running", started=record["started"],
+                                                         host=socket.gethostname(), pid=pid)))
+    shutil.rmtree(run_dir / "checkpoints")
+    return run_dir
+
+
+def test_report_on_a_killed_run(finished_run, tmp_path):
+    run_dir = half_finished(finished_run, tmp_path, dead_pid())
+    proc = run_cli(str(run_dir), cwd=tmp_path, script="accutrain-report")
+    (row,) = list(csv.DictReader(open(run_dir / "summary.csv", newline="")))
+    assert (row["steps"], row["status"], row["effective_batch"]) == ("2", "interrupted", "8")
+    assert float(row["final_loss"]) == pytest.approx(read_metrics(finished_run[0])[0][1]["loss"])
+    assert "interrupted" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_report_on_a_running_run(finished_run, tmp_path):
+    run_dir = half_finished(finished_run, tmp_path, os.getpid())  # this process is alive: the run is running
+    proc = run_cli(str(run_dir), cwd=tmp_path, script="accutrain-report")
+    (row,) = list(csv.DictReader(open(run_dir / "summary.csv", newline="")))
+    assert (row["steps"], row["status"]) == ("2", "running")
+    assert float(row["wall_s"]) > 0
+    assert "1 run, 1 running" in proc.stdout
+
+
+def test_a_failed_single_run_keeps_its_one_line_error_and_records_it(tmp_path):
+    run_dir, proc = train_run(tmp_path, "bad", *TINY, "micro_batch=0", check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "micro_batch=0")
+    record = status(run_dir)
+    assert record["state"] == "failed" and record["error"].startswith("micro_batch=0 is not valid")
+    assert not (run_dir / "loss.png").exists()
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda tmp: tmp / "nowhere", "is not a directory"),
+    (lambda tmp: tmp, "no accutrain run in"),
+])
+def test_report_on_nothing_is_one_line(tmp_path, make, fragment):
+    proc = run_cli(str(make(tmp_path)), cwd=tmp_path, script="accutrain-report", check=False)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("accutrain-report: error:") and fragment in proc.stderr
+
+
+# --- units --------------------------------------------------------------------------------------------
+def fake_run(run_dir, steps, state="completed", overrides=("micro_batch=8",), extra=None):
+    run_dir.mkdir(parents=True)
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    (run_dir / "train.log").write_text("[t][INFO] effective batch 32 = micro_batch 8 × accum 4 × devices 1\n")
+    lines = [json.dumps(dict(step=i + 1, loss=1.0 / (i + 1), samples=32, samples_seen=32 * (i + 1),
+                             samples_per_s=100.0 + i, **(extra(i) if extra else {}))) for i in range(steps)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    write_status(run_dir, "running")
+    if state != "running":
+        write_status(run_dir, state)
+    return run_dir
+
+
+def test_peak_memory_is_the_largest_recorded_and_missing_otherwise(tmp_path):
+    with_mem = report.read_run(fake_run(tmp_path / "a", 3, extra=lambda i: dict(peak_mem_mb=[500.0, 900.4, 700][i])),
+                               "a")
+    without = report.read_run(fake_run(tmp_path / "b", 3), "b")
+    assert with_mem.peak_mem_mb == 900.4 and without.peak_mem_mb is None
+    cells = report.table_cells([with_mem, without])
+    assert cells[0][9] == "900"
+    assert cells[1][9] == report.MISSING_VALUE
+    assert (with_mem.effective, with_mem.micro_batch, with_mem.accum, with_mem.devices) == (32, 8, 4, 1)
+    assert with_mem.samples_per_s == 101.0  # the median over steps
+
+
+def test_metrics_reader_skips_a_truncated_line_and_keeps_the_latest_record_of_a_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 2, "loss": 1.4}\n'
+                    '{"step": 2, "val_loss": 1.3, "val_acc": 0.5}\n{"step": 3, "lo')
+    steps, evals = report.read_metrics(path)
+    assert [(r["step"], r["loss"]) for r in steps] == [(1, 2.0), (2, 1.4)]
+    assert [e["val_acc"] for e in evals] == [0.5]
+
+
+def test_find_runs_orders_jobs_naturally_and_skips_hidden_folders(tmp_path):
+    for job in ("10", "2", "1"):
+        fake_run(tmp_path / "sweep" / job, 1)
+    (tmp_path / "sweep" / ".submitit" / "123").mkdir(parents=True)
+    (tmp_path / "sweep" / ".submitit" / "123" / "status.json").write_text("{}")
+    runs = report.find_runs(tmp_path / "sweep")
+    assert [p.name for p in runs] == ["1", "2", "10"]
+    assert report.find_runs(tmp_path / "sweep" / "2") == [tmp_path / "sweep" / "2"]
+
+
+def test_states():
+    host = socket.gethostname()
+    assert current_state(None) == "unknown"
+    assert current_state(dict(state="completed")) == "completed"
+    assert current_state(dict(state="failed", error="x")) == "failed"
+    assert current_state(dict(state="running", host=host, pid=os.getpid())) == "running"
+    assert current_state(dict(state="running", host=host, pid=dead_pid())) == "interrupted"
+    assert current_state(dict(state="running", host=host + "-elsewhere", pid=dead_pid())) == "running"
+
+
+@pytest.mark.skipif(not hasattr(os, "waitid") or not os.path.isdir("/proc"), reason="needs Linux /proc")
+def test_a_killed_process_not_yet_reaped_counts_as_ended():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has ended but is not reaped: a zombie
+    try:
+        assert current_state(dict(state="running", host=socket.gethostname(), pid=proc.pid)) == "interrupted"
+    finally:
+        proc.wait()
+
+
+def test_recorded_marks_every_outcome(tmp_path):
+    with recorded(tmp_path):
+        assert status(tmp_path)["state"] == "running"
+    assert status(tmp_path)["state"] == "completed"
+    with pytest.raises(UserError), recorded(tmp_path):
+        raise UserError("accum=0 is not valid")
+    assert (status(tmp_path)["state"], status(tmp_path)["error"]) == ("failed", "accum=0 is not valid")
+    with pytest.raises(KeyboardInterrupt), recorded(tmp_path):
+        raise KeyboardInterrupt
+    assert status(tmp_path)["state"] == "interrupted"
+    assert one_line(ValueError("first\nsecond")) == "ValueError: first"
+    assert one_line(RuntimeError()) == "RuntimeError"

@@ -1,0 +1,189 @@
+"""Multiruns through the real CLI: one summary row per job, failing jobs recorded without ending the sweep;
+the experiment and launcher configs compose."""
+import csv
+import json
+import shutil
+
+import pytest
+from hydra import compose, initialize_config_dir
+from PIL import Image
+
+from accutrain.cli import config_dir
+from accutrain.config import register_schemas
+from conftest import TINY, read_metrics, run_cli
+
+register_schemas()
+
+# 40 samples, 3 optimizer steps per job: the sweep is about the summary, not the training.
+QUICK = [*TINY, "data.size=40", "trainer.max_steps=3"]
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_png(path):
+    with Image.open(path) as image:
+        image.verify()
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A finished multirun of three jobs, the last of which fails at run time (micro_batch=0)."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    proc = run_cli("-m", *QUICK, "micro_batch=4,8,0", "accum=2", f"hydra.sweep.dir={tmp / 'sweep'}", cwd=tmp,
+                   check=False)
+    return tmp / "sweep", proc
+
+
+def test_multirun_summarises_every_job_and_goes_on_past_a_failing_one(sweep):
+    sweep_dir, proc = sweep
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the sweep ran to the end, and says a job failed
+    assert "Traceback" not in proc.stderr
+    assert "1 of 3 jobs failed" in proc.stderr
+
+    rows = read_csv(sweep_dir / "summary.csv")
+    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    assert [r["status"] for r in rows] == ["completed", "completed", "failed"]
+    assert [r["effective_batch"] for r in rows] == ["8", "16", ""]
+    assert [(r["micro_batch"], r["accum"], r["devices"]) for r in rows[:2]] == [("4", "2", "1"), ("8", "2", "1")]
+    assert [r["steps"] for r in rows] == ["3", "3", "0"]
+    assert "micro_batch=0 is not valid" in rows[2]["error"]
+    for r, micro_batch in zip(rows, (4, 8, 0)):
+        assert f"micro_batch={micro_batch}" in r["overrides"].split()
+    for r in rows[:2]:
+        steps, evals = read_metrics(sweep_dir / r["job"])
+        assert float(r["final_loss"]) == pytest.approx(steps[-1]["loss"])
+        assert float(r["best_val_acc"]) == pytest.approx(max(e["val_acc"] for e in evals))
+
+    summary = (sweep_dir / "summary.md").read_text()
+    table = [line for line in summary.splitlines() if line.startswith("| ")]
+    assert len(table) == 4  # the header and one row per job
+    assert "| micro_batch=4 |" in table[1] and "4 × 2 × 1" in table[1] and table[1].rstrip().endswith("completed |")
+    assert table[3].rstrip().endswith("failed    |")
+    assert "- 2 failed: micro_batch=0 is not valid" in summary
+    assert "overrides shared by every run:" in summary and "accum=2" in summary
+    assert summary.split("\n| job", 1)[0].count("micro_batch=") == 0  # varying overrides stay out of the shared line
+    assert "![" in summary
+    assert_png(sweep_dir / "summary.png")
+    assert "| micro_batch=8 |" in proc.stdout  # the table is printed at the end of the sweep
+
+    for job in ("0", "1"):
+        assert_png(sweep_dir / job / "loss.png")
+    assert not (sweep_dir / "2" / "loss.png").exists()  # no step, no plot
+    errors = [line for line in (sweep_dir / "2" / "train.log").read_text().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "micro_batch=0" in errors[0]
+
+
+def test_report_rebuilds_the_same_summary_of_a_finished_sweep(sweep, tmp_path):
+    sweep_dir, _ = sweep
+    copy = shutil.copytree(sweep_dir, tmp_path / "sweep")
+    for name in ("summary.md", "summary.csv", "summary.png"):
+        (copy / name).unlink()
+    proc = run_cli(str(copy), cwd=tmp_path, script="accutrain-report")
+    assert "3 runs, 2 completed, 1 failed" in proc.stdout
+    assert "| micro_batch=8 |" in proc.stdout and "- 2 failed: micro_batch=0" in proc.stdout
+    original = (sweep_dir / "summary.md").read_text().replace(str(sweep_dir), "DIR")
+    assert (copy / "summary.md").read_text().replace(str(copy), "DIR") == original
+    assert [r["effective_batch"] for r in read_csv(copy / "summary.csv")] == ["8", "16", ""]
+    assert_png(copy / "summary.png")
+
+
+@pytest.mark.slow
+def test_a_crashing_job_is_recorded_as_failed_and_the_sweep_goes_on(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch.nn as nn\n"
+        "class Good(nn.Module):\n"
+        "    def __init__(self, num_classes, in_channels, image_size):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(in_channels * image_size ** 2, num_classes)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x.flatten(1))\n"
+        "class Crash(Good):\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            raise RuntimeError('crashed in training')\n"
+        "        return super().forward(x)\n")
+    proc = run_cli("-m", *QUICK[2:], "model=custom", "model._target_=mymodels.Crash,mymodels.Good",
+                   "micro_batch=4", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    rows = read_csv(tmp_path / "sweep" / "summary.csv")
+    assert [r["status"] for r in rows] == ["failed", "completed"]
+    assert rows[0]["error"] == "RuntimeError: crashed in training"
+    assert rows[1]["steps"] == "3"
+    assert "Traceback" in (tmp_path / "sweep" / "0" / "train.log").read_text()  # a bug keeps its traceback
+
+    # a single run still ends as before (Hydra's traceback, exit 1), and records the failure
+    single = tmp_path / "single"
+    proc = run_cli(*QUICK[2:], "model=custom", "model._target_=mymodels.Crash", "micro_batch=4",
+                   f"hydra.run.dir={single}", cwd=tmp_path, check=False)
+    assert proc.returncode == 1 and "crashed in training" in proc.stderr
+    record = json.loads((single / "status.json").read_text())
+    assert (record["state"], record["error"]) == ("failed", "RuntimeError: crashed in training")
+
+
+@pytest.mark.slow
+def test_joblib_launcher_runs_jobs_in_parallel_and_writes_the_summary(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    proc = run_cli("-m", *QUICK, "micro_batch=4,8", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
+    rows = read_csv(tmp_path / "sweep" / "summary.csv")
+    assert [(r["effective_batch"], r["status"]) for r in rows] == [("4", "completed"), ("8", "completed")]
+    pids = {json.loads((tmp_path / "sweep" / job / "status.json").read_text())["pid"] for job in ("0", "1")}
+    assert len(pids) == 2  # two worker processes, not one after the other in the launching process
+    assert_png(tmp_path / "sweep" / "summary.png")
+
+
+@pytest.mark.slow
+def test_accum_sweep_experiment_takes_the_same_steps_in_every_job(tmp_path):
+    """The shipped experiment, shortened: four splits of the global batch 64 end with the same losses."""
+    proc = run_cli("-m", "+experiment=accum_sweep", "trainer.epochs=1", "trainer.progress=false",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    rows = read_csv(tmp_path / "sweep" / "summary.csv")
+    assert [(r["micro_batch"], r["accum"], r["effective_batch"]) for r in rows] == [
+        ("8", "8", "64"), ("16", "4", "64"), ("32", "2", "64"), ("64", "1", "64")]
+    assert {r["status"] for r in rows} == {"completed"} and {r["steps"] for r in rows} == {"23"}
+    losses = [float(r["final_loss"]) for r in rows]
+    assert losses == pytest.approx([losses[0]] * 4, rel=1e-4)
+    assert "| micro_batch=64 |" in proc.stdout
+
+
+def compose_with_hydra(*overrides):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_every_experiment_composes_and_sweeps_something():
+    experiments = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
+    assert {"accum_sweep", "memory_sweep"} <= set(experiments)
+    for name in experiments:
+        cfg = compose_with_hydra(f"+experiment={name}")
+        assert cfg.hydra.sweeper.params, name
+    accum = compose_with_hydra("+experiment=accum_sweep")
+    assert accum.global_batch == 64 and accum.model._target_ == "accutrain.models.mlp"
+    assert all(64 % int(m) == 0 for m in accum.hydra.sweeper.params.micro_batch.split(","))
+    memory = compose_with_hydra("+experiment=memory_sweep")
+    assert memory.global_batch == 64 and memory.model.name == "resnet18"
+    batch = compose_with_hydra("+experiment=batch_sweep")
+    assert batch.optim.lr_scaling.name == "linear" and batch.optim.base_batch == 32
+
+
+def test_sweep_summary_callback_is_configured():
+    cfg = compose_with_hydra()
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "accutrain.sweep.SweepSummary"
+
+
+def test_launcher_configs_compose():
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    joblib = compose_with_hydra("hydra/launcher=joblib", "hydra.launcher.n_jobs=2").hydra.launcher
+    assert joblib._target_.endswith("JoblibLauncher") and joblib.n_jobs == 2
+    slurm = compose_with_hydra("hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu").hydra.launcher
+    assert slurm._target_.endswith("SlurmLauncher") and slurm.partition == "gpu"
+    preset = compose_with_hydra("hydra/launcher=slurm_gpu", "hydra.launcher.partition=a100",
+                                "hydra.launcher.timeout_min=30").hydra.launcher
+    assert preset._target_.endswith("SlurmLauncher")
+    assert (preset.partition, preset.gpus_per_node, preset.tasks_per_node, preset.nodes) == ("a100", 1, 1, 1)
+    assert preset.timeout_min == 30 and preset.cpus_per_task == 8
