@@ -163,6 +163,11 @@ class TrainerConfig:
     checkpoint_every: Optional[int] = None  # optimizer steps; a checkpoint is also written at the end and on SIGTERM
     keep_checkpoints: int = 3  # step-*.pt files kept in checkpoints/ (last.pt is the newest)
     on_nonfinite: OnNonFinite = OnNonFinite.stop  # a NaN/Inf loss or gradient in a window
+    precision: str = "32"  # 32 | bf16-mixed | 16-mixed (autocast; 16: GradScaler) | bf16-true (bf16 weights)
+    accum_dtype: Optional[str] = None  # float32: sum half-precision gradients in float32 buffers
+    activation_checkpointing: bool = False  # recompute activations in backward
+    offload_grads: bool = False  # keep the accumulating gradients in (pinned) CPU memory between micro-batches
+    memory_budget_mb: Optional[float] = None  # micro_batch=auto: the memory a trial step may peak at (CPU: needed)
 
 
 @dataclass
@@ -240,7 +245,7 @@ def validate(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"{', '.join(missing)} must be set: add {' '.join(k + '=…' for k in missing)} to the command")
-    positive_int(cfg, "micro_batch")
+    positive_int(cfg, "micro_batch", allow=("auto",))
     positive_int(cfg, "accum", allow=(None,))
     positive_int(cfg, "global_batch", allow=(None,))
     positive_int(cfg, "devices", allow=("auto",))
@@ -255,6 +260,15 @@ def validate(cfg: DictConfig) -> None:
             raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
+    if cfg.micro_batch == "auto" and cfg.global_batch is None:
+        raise UserError("micro_batch=auto needs global_batch=N: the effective batch to keep while it finds the "
+                        "largest micro-batch that fits")
+    if cfg.micro_batch == "auto" and cfg.accum is not None:
+        raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
+    if t.accum_dtype not in (None, "float32"):
+        raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
+    if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
+        raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.data.num_workers < 0:
         raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
     if cfg.sched.warmup_steps < 0:

@@ -79,6 +79,12 @@ def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:
     return values
 
 
+def all_reduce_min(values: torch.Tensor, world: World) -> torch.Tensor:
+    if world.size > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return values
+
+
 def broadcast_from_main(obj: Any, world: World) -> Any:
     """Rank 0's value of `obj`, on every rank."""
     if world.size == 1:

@@ -59,7 +59,7 @@ class ConsoleFormatter(logging.Formatter):
 
 
 def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
-                 best_acc: Optional[float], best_step: Optional[int]) -> str:
+                 best_acc: Optional[float], best_step: Optional[int], peak_mb: float = 0.0) -> str:
     """The final line: steps and samples of the whole run; time and speed of this session (a resume is one)."""
     rate = session_samples / seconds if seconds > 0 else float("nan")
     parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({rate:.0f} samples/s)"]
@@ -67,4 +67,6 @@ def summary_line(steps: int, samples: int, session_samples: int, seconds: float,
         parts.append(f"last loss {last_loss:.4f}")
     if best_acc is not None:
         parts.append(f"best val_acc {best_acc:.4f} (step {best_step})")
+    if peak_mb:
+        parts.append(f"peak memory {peak_mb:.0f} MiB")
     return ", ".join(parts)

@@ -11,42 +11,66 @@ or the last window incomplete (dividing by `accum` would over-weight a short tai
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accutrain.precision import Precision, make_precision
+
+FP32 = make_precision("32", torch.device("cpu"))
+
 
 def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides."""
+    """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides.
+    Half-precision logits are promoted: the loss is computed in float32 at least."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     return F.cross_entropy(logits, target, reduction="sum")
 
 
 def accumulate(
     model: nn.Module,
-    micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    n_micro: int,
+    micro_batches: Sequence[Sequence[torch.Tensor]],
     window_size: int,
     device: torch.device,
     *,
     world: int = 1,
     no_sync: Callable[[], ContextManager] = nullcontext,
+    precision: Optional[Precision] = None,
 ) -> torch.Tensor:
-    """Forward and backward each of the window's `n_micro` micro-batches; .grad then holds ∇(mean loss over W).
+    """Forward and backward each of this rank's micro-batches of one window; .grad then holds ∇(mean loss over W).
 
     Backward runs per micro-batch, so only one micro-batch's activations are alive at a time. Gradients are
     synchronised across ranks on the last micro-batch only. Returns this rank's summed loss, detached.
     """
+    precision = precision or FP32
     scale = world / window_size
     loss_total = torch.zeros((), device=device, dtype=torch.float64)
     for k, (x, y) in enumerate(micro_batches):
-        with no_sync() if k < n_micro - 1 else nullcontext():  # one gradient all-reduce per window
-            loss_sum = summed_cross_entropy(model(x.to(device, non_blocking=True)),
-                                            y.to(device, non_blocking=True))
-            (loss_sum * scale).backward()
+        with no_sync() if k < len(micro_batches) - 1 else nullcontext():  # one gradient all-reduce per window
+            with precision.autocast():
+                logits = model(precision.inputs(x.to(device, non_blocking=True)))
+            loss_sum = summed_cross_entropy(logits, y.to(device, non_blocking=True))
+            precision.backward(loss_sum * scale)
         loss_total += loss_sum.detach()
     return loss_total
+
+
+def resplit(micro_batches: list[Sequence[torch.Tensor]], parts: int) -> list[tuple[torch.Tensor, ...]]:
+    """Cut every micro-batch into `parts` smaller ones (after an out-of-memory): the same samples, same window."""
+    if parts == 1:
+        return [tuple(b) for b in micro_batches]
+    out: list[tuple[torch.Tensor, ...]] = []
+    for batch in micro_batches:
+        n = len(batch[0])
+        if n <= 1:
+            out.append(tuple(batch))
+            continue
+        size = -(-n // parts)
+        out += list(zip(*(t.split(size) for t in batch)))
+    return out
 
 
 def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
@@ -57,15 +81,18 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, device: torch.device) -> torch.Tensor:
+def evaluate(model: nn.Module, loader: Iterable, device: torch.device,
+             precision: Optional[Precision] = None) -> torch.Tensor:
     """Sums over this rank's share of the held-out split: tensor([summed loss, correct predictions, samples])."""
+    precision = precision or FP32
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
-        sums[0] += summed_cross_entropy(logits.float(), y).double()
+        with precision.autocast():
+            logits = model(precision.inputs(x))
+        sums[0] += summed_cross_entropy(logits, y).double()
         sums[1] += (logits.argmax(1) == y).sum()
         sums[2] += len(y)
     model.train(was_training)

@@ -19,14 +19,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from accutrain import checkpoint, data, dist, lr_scaling, models
+from accutrain import checkpoint, data, dist, lr_scaling, memory, models
 from accutrain.config import OnNonFinite, load_target, validate
 from accutrain.dist import World
 from accutrain.errors import Preempted, UserError
 from accutrain.metrics import MetricsLog, progress_bar, summary_line
 from accutrain.plan import BatchPlan, make_plan
+from accutrain.precision import Precision, make_precision
 from accutrain.signals import StopRequest
-from accutrain.step import accumulate, evaluate, grad_norm
+from accutrain.step import accumulate, evaluate, grad_norm, resplit
 from accutrain.windows import Window, WindowSampler
 
 log = logging.getLogger("accutrain")
@@ -92,23 +93,20 @@ class Run:
     loader: DataLoader
     val_loader: DataLoader
     empty_batch: Any  # a batch of zero samples, for a rank whose share of a short window runs out
+    precision: Precision
+    buffers: Optional[memory.GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)
 
 
-def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device] = None) -> Run:
+def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device] = None,
+          cache_dir: Optional[Path] = None) -> Run:
     validate(cfg)
-    device = device or resolve_device(cfg.trainer.device)
+    trainer = cfg.trainer
+    device = device or resolve_device(trainer.device)
     seed_everything(cfg.seed)
     make_data, data_kwargs = factory_kwargs("data", cfg.data, "num_workers")
     with main_first(world):
         datasets: data.Datasets = make_data(**data_kwargs)
-    plan = make_plan(
-        micro_batch=cfg.micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
-        train_size=len(datasets.train), last_window=cfg.trainer.last_window,
-        epochs=cfg.trainer.epochs, max_steps=cfg.trainer.max_steps,
-    )
-    for line in plan.describe():
-        log.info(line)
-    log.info(data.describe_split_sizes(datasets))
+    precision = make_precision(trainer.precision, device)
 
     torch.manual_seed(cfg.seed)  # the initial weights depend on the seed only
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -118,9 +116,40 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
             raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on "
                             "the CPU (use devices=1, or model.sync_batchnorm=false)")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = model.to(device)
+    if trainer.activation_checkpointing:
+        wrapped = memory.enable_activation_checkpointing(model)
+        if wrapped:
+            log.info(f"activation checkpointing: {wrapped} blocks recompute their activations in backward")
+        else:
+            log.warning("trainer.activation_checkpointing=true does nothing for this model: it has no blocks to "
+                        "wrap (modules with parameters inside an nn.Sequential or nn.ModuleList)")
+    model = model.to(device=device, dtype=precision.param_dtype)
     log.info(f"model {cfg.model.get('name', cfg.model._target_)}: {models.count_parameters(model):,} parameters, "
-             f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else ""))
+             f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
+             + (f", precision {precision.name}" if precision.name != "32" else ""))
+    buffers = make_grad_buffers(trainer, model, precision, device, world)
+
+    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim, *lr_scaling.KEYS)
+    optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
+    micro_batch = cfg.micro_batch
+    if micro_batch == "auto":
+        micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, cache_dir)
+    plan = make_plan(
+        micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
+        train_size=len(datasets.train), last_window=trainer.last_window,
+        epochs=trainer.epochs, max_steps=trainer.max_steps,
+    )
+    for line in plan.describe():
+        log.info(line)
+    log.info(data.describe_split_sizes(datasets))
+    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = lr_scaling.scaled_lr(*scaling)
+    if line := lr_scaling.describe(*scaling):
+        log.info(line)
+    make_scheduler, sched_kwargs = factory_kwargs("sched", cfg.sched)
+    scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
+
     forward, no_sync, comm = model, nullcontext, None
     if world.size > 1:
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -128,14 +157,6 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
         comm = dist.CommStats(process_group=None)
         forward.register_comm_hook(comm, dist.counting_allreduce_hook)
         no_sync = forward.no_sync
-    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim, *lr_scaling.KEYS)
-    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
-    optim_kwargs["lr"] = lr_scaling.scaled_lr(*scaling)
-    if line := lr_scaling.describe(*scaling):
-        log.info(line)
-    optimizer = make_optimizer(model, **optim_kwargs)
-    make_scheduler, sched_kwargs = factory_kwargs("sched", cfg.sched)
-    scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
 
     pin = device.type == "cuda"
     sampler = WindowSampler(plan, cfg.seed, world.rank, world.size)
@@ -143,16 +164,71 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
     loader = data.train_loader(datasets.train, sampler, cfg.data.num_workers, pin,
                                generator=torch.Generator().manual_seed(cfg.seed))
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
-    val_loader = data.eval_loader(val_share, cfg.trainer.eval_batch or cfg.micro_batch, cfg.data.num_workers, pin)
+    val_loader = data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin)
     empty_batch = [t[:0] for t in default_collate([datasets.train[0]])]
     return Run(cfg, world, plan, device, model, forward, no_sync, comm, optimizer, scheduler, sampler, loader,
-               val_loader, empty_batch)
+               val_loader, empty_batch, precision, buffers)
 
 
-def micro_batches(window: Window, batches: Iterator, empty_batch: Any) -> Iterator:
-    """This rank's micro-batches of the window; an empty one (a short window's tail) is a batch of zero samples."""
-    for indices in window.micro:
-        yield next(batches) if indices else empty_batch
+def make_grad_buffers(trainer: DictConfig, model: nn.Module, precision: Precision, device: torch.device,
+                      world: World) -> Optional[memory.GradBuffers]:
+    """Buffers for trainer.accum_dtype=float32 (half-precision weights) and trainer.offload_grads, if asked."""
+    fp32 = trainer.accum_dtype == "float32" and precision.param_dtype != torch.float32
+    if trainer.accum_dtype == "float32" and not fp32:
+        log.info(f"trainer.accum_dtype=float32: the weights are float32 with precision {precision.name}, so "
+                 "gradients already accumulate in float32")
+    offload = trainer.offload_grads and device.type != "cpu"
+    if trainer.offload_grads and not offload:
+        log.warning("trainer.offload_grads=true does nothing on the CPU: the gradients already live in CPU memory")
+    if not (fp32 or offload):
+        return None
+    if world.size > 1:
+        raise UserError("trainer.accum_dtype=float32 and trainer.offload_grads need devices=1 in this version "
+                        "(DDP all-reduces .grad, not accutrain's buffers)")
+    log.info("gradients accumulate in " + " and ".join(
+        (["float32 buffers"] if fp32 else []) + (["pinned CPU memory"] if offload else [])))
+    return memory.GradBuffers([p for p in model.parameters() if p.requires_grad],
+                              torch.float32 if fp32 else None, offload)
+
+
+def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                     datasets: data.Datasets, device: torch.device, world: World, cache_dir: Optional[Path]) -> int:
+    """micro_batch=auto: the largest divisor of global_batch / devices whose real training step fits, found by
+    trial steps (cached per model, data shape, precision, device and budget in `cache_dir`)."""
+    budget = cfg.trainer.memory_budget_mb
+    if device.type == "cpu" and budget is None:
+        raise UserError("micro_batch=auto on the CPU needs trainer.memory_budget_mb=N: the peak memory (MiB) a "
+                        "training step may reach, since the CPU has no out-of-memory error to detect")
+    if cfg.global_batch % world.size:
+        raise UserError(f"global_batch={cfg.global_batch} is not a multiple of devices {world.size}")
+    window = cfg.global_batch // world.size
+    about = dict(model=OmegaConf.to_container(cfg.model, resolve=True), shape=datasets.sample_shape,
+                 precision=precision.name, device=torch.cuda.get_device_name(device) if device.type == "cuda"
+                 else "cpu", budget=budget, window=window, optim=cfg.optim._target_,
+                 checkpointing=cfg.trainer.activation_checkpointing)
+    key, cache = memory.cache_key(**about), (cache_dir / "micro_batch_auto.json" if cache_dir else None)
+    found = memory.read_cache(cache, key) if cache else None
+    if found is None:
+        def batch_of(size: int) -> Any:
+            return default_collate([datasets.train[i % len(datasets.train)] for i in range(size)])
+
+        fits = memory.trial(model, optimizer, precision, batch_of, device, budget)
+        found, notes = memory.search_micro_batch(window, fits, budget)
+        log.info(f"micro_batch=auto: trial steps {'; '.join(notes)}")
+        if world.size > 1:  # every rank tried on its own device: take the size that fits on all of them
+            found = int(dist.all_reduce_min(torch.tensor(found, device=device), world).item())
+        if cache and world.main:
+            memory.write_cache(cache, key, found, f"{about['model'].get('name', about['model']['_target_'])} "
+                               f"{about['shape']} {precision.name} {about['device']} window {window}")
+    else:
+        log.info(f"micro_batch=auto: {found}, cached in {cache}")
+    return found
+
+
+def load_window(window: Window, batches: Iterator, empty_batch: Any, split: int) -> list:
+    """This rank's micro-batches of the window, loaded (a short window's missing share is a zero-sample batch);
+    after an out-of-memory each is cut into `split` smaller ones."""
+    return resplit([next(batches) if indices else empty_batch for indices in window.micro], split)
 
 
 @dataclass
@@ -164,6 +240,7 @@ class Progress:
     window: int = 0  # the next window's index in that epoch
     samples: int = 0
     skipped: int = 0  # windows whose step was skipped for a non-finite loss or gradient
+    split: int = 1  # each loaded micro-batch is cut in this many after out-of-memory errors
     last_loss: Optional[float] = None
     best_acc: Optional[float] = None
     best_step: Optional[int] = None
@@ -174,6 +251,7 @@ class Outcome:
     progress: Progress
     seconds: float  # this session's wall time in the loop
     samples: int  # samples this session trained on
+    peak_mb: float  # the highest per-step peak memory of this session (MiB)
     stopped_by: Optional[str] = None  # the signal that stopped the run early
     checkpoint: Optional[Path] = None
 
@@ -183,11 +261,13 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
     """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint."""
     trainer, plan, world = r.cfg.trainer, r.plan, r.world
     params = [p for p in r.model.parameters() if p.requires_grad]
+    scaler = r.precision.scaler
     bar = progress_bar(plan.total_steps, p.step, trainer.progress and world.main)
-    start, start_samples = time.perf_counter(), p.samples
+    start, start_samples, peak = time.perf_counter(), p.samples, 0.0
 
     def validate_now(epoch: int) -> None:
-        loss_sum, correct, n = dist.all_reduce_sum(evaluate(r.forward, r.val_loader, r.device), world).tolist()
+        sums = evaluate(r.forward, r.val_loader, r.device, r.precision)
+        loss_sum, correct, n = dist.all_reduce_sum(sums, world).tolist()
         val_loss, val_acc = loss_sum / n, correct / n
         metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
         log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
@@ -199,36 +279,65 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
         batches = iter(r.loader)
         for window in r.sampler.windows():
             t0 = time.perf_counter()
-            loss_sum = accumulate(r.forward, micro_batches(window, batches, r.empty_batch), len(window.micro),
-                                  window.size, r.device, world=world.size, no_sync=r.no_sync)
+            memory.reset_peak(r.device)
+            micro = load_window(window, batches, r.empty_batch, p.split)
+            while True:
+                try:
+                    loss_sum = accumulate(r.forward, micro, window.size, r.device, world=world.size,
+                                          no_sync=r.no_sync, precision=r.precision)
+                    break
+                except Exception as e:  # out of memory: the same window again, in smaller micro-batches
+                    micro = split_after_oom(r, p, micro, e)
+            if r.buffers:
+                r.buffers.release()  # the window's summed gradients back into .grad
+            if scaler:
+                scaler.unscale_(r.optimizer)  # before the norm and clipping
             norm = grad_norm(params, trainer.grad_clip).item()  # measured, and clipped if asked, once per window
             # One small all-reduce: the window's summed loss over every rank, and whether any rank was signalled.
             loss_sum, stop_votes = dist.all_reduce_sum(
                 torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=r.device,
                                                     dtype=torch.float64)]), world).tolist()
             loss, lr = loss_sum / window.size, r.optimizer.param_groups[0]["lr"]
-            finite = math.isfinite(loss) and math.isfinite(norm)
-            if finite:
-                r.optimizer.step()
+            skipped = None
+            if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
+                skipped = "nonfinite"
+                if trainer.on_nonfinite is OnNonFinite.stop:
+                    raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at optimizer "
+                                    f"step {p.step + 1} (epoch {epoch + 1}, window {window.index}): stopping; the "
+                                    "last checkpoint holds finite weights (trainer.on_nonfinite=skip skips such "
+                                    "windows)")
+            elif not math.isfinite(norm):
+                skipped = "amp_overflow"  # 16-mixed: the scaler skips this step and lowers its scale
+            else:
+                if scaler:
+                    scaler.step(r.optimizer)
+                else:
+                    r.optimizer.step()
                 r.scheduler.step()
-            elif trainer.on_nonfinite is OnNonFinite.stop:
-                raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at optimizer step "
-                                f"{p.step + 1} (epoch {epoch + 1}, window {window.index}): stopping; the last "
-                                "checkpoint holds finite weights (trainer.on_nonfinite=skip skips such windows)")
+            if scaler:
+                scaler.update()
             r.optimizer.zero_grad(set_to_none=True)
 
             last_of_epoch = window.index == plan.steps_per_epoch - 1
-            p.step, p.samples, p.skipped = p.step + 1, p.samples + window.size, p.skipped + (not finite)
+            p.step, p.samples, p.skipped = p.step + 1, p.samples + window.size, p.skipped + (skipped == "nonfinite")
             p.epoch, p.window = (epoch + 1, 0) if last_of_epoch else (epoch, window.index + 1)
-            p.last_loss = loss if finite else p.last_loss
+            p.last_loss = loss if math.isfinite(loss) else p.last_loss
             rate = window.size / (time.perf_counter() - t0)
-            record = dict(step=p.step, epoch=epoch + 1, loss=loss if finite else None, samples=window.size,
-                          micro_batches=len(window.micro), lr=lr, grad_norm=norm if finite else None,
-                          samples_per_s=rate, samples_seen=p.samples, time=time.perf_counter() - start)
-            if not finite:
-                record["skipped"] = "nonfinite"
-                log.warning(f"step {p.step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; "
-                            f"the window's gradients are dropped, no optimizer step ({p.skipped} skipped so far)")
+            record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
+                          samples=window.size, micro_batches=len(micro), lr=lr,
+                          grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate,
+                          samples_seen=p.samples, time=time.perf_counter() - start,
+                          peak_mem_mb=round(memory.peak_mb(r.device), 1))
+            peak = max(peak, record["peak_mem_mb"])
+            if scaler:
+                record["amp_scale"] = scaler.get_scale()
+            if skipped:
+                record["skipped"] = skipped
+                log.warning(f"step {p.step}: " + (
+                    "AMP overflow: the GradScaler skipped the optimizer and scheduler step and lowered its scale to "
+                    f"{scaler.get_scale():g}" if skipped == "amp_overflow" else
+                    f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
+                    f"dropped, no optimizer step ({p.skipped} skipped so far)"))
             if r.comm is not None:
                 record["grad_syncs"], record["comm_bytes"] = r.comm.take()
             metrics.write(record)
@@ -246,10 +355,33 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
                 path = save(p)
                 if stopping or done:
                     bar.close()
-                    return Outcome(p, time.perf_counter() - start, p.samples - start_samples,
+                    return Outcome(p, time.perf_counter() - start, p.samples - start_samples, peak,
                                    stop.name if stopping else None, path)
     bar.close()
-    return Outcome(p, time.perf_counter() - start, p.samples - start_samples)
+    return Outcome(p, time.perf_counter() - start, p.samples - start_samples, peak)
+
+
+def split_after_oom(r: Run, p: Progress, micro: list, error: Exception) -> list:
+    """After an out-of-memory mid-window: drop the partial gradients and cut the window's micro-batches in two.
+    The window, hence the effective batch and the exact gradient, stay the same; accum doubles from now on."""
+    if not memory.is_oom(error):
+        raise error
+    largest = max(len(b[0]) for b in micro)
+    if largest <= 1 or r.world.size > 1:
+        raise UserError(f"out of memory with micro-batches of {largest}" + (
+            " on one of several devices: set micro_batch lower (or micro_batch=auto)" if r.world.size > 1 else
+            ": even one sample does not fit (try trainer.activation_checkpointing=true or bf16-mixed precision)"))
+    r.optimizer.zero_grad(set_to_none=True)
+    if r.buffers:
+        for buffer in r.buffers.buffers.values():
+            buffer.zero_()
+    memory.free_memory(r.device)
+    p.split *= 2
+    smaller = resplit(micro, 2)
+    log.warning(f"out of memory with micro-batches of {largest} at optimizer step {p.step + 1}: the window is "
+                f"re-split into {len(smaller)} micro-batches of at most {max(len(b[0]) for b in smaller)}; the "
+                f"effective batch stays {r.plan.effective}")
+    return smaller
 
 
 def checkpoint_state(r: Run, p: Progress, cfg: DictConfig) -> dict[str, Any]:
@@ -262,7 +394,7 @@ def checkpoint_state(r: Run, p: Progress, cfg: DictConfig) -> dict[str, Any]:
     return dict(
         format=checkpoint.FORMAT,
         model=r.model.state_dict(), optimizer=r.optimizer.state_dict(), scheduler=r.scheduler.state_dict(),
-        progress=asdict(p), rng=rngs,
+        scaler=r.precision.scaler.state_dict() if r.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=dict(micro_batch=r.plan.micro_batch, accum=r.plan.accum, devices=r.plan.devices,
                   effective=r.plan.effective, train_size=r.plan.train_size, total_steps=r.plan.total_steps),
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -312,6 +444,8 @@ def restore(r: Run, path: Path) -> Progress:
                         ) from None
     r.optimizer.load_state_dict(state["optimizer"])
     r.scheduler.load_state_dict(state["scheduler"])
+    if r.precision.scaler and state.get("scaler"):
+        r.precision.scaler.load_state_dict(state["scaler"])
     p = Progress(**state["progress"])
     split = (saved["micro_batch"], saved["accum"], saved["devices"])
     if split != (r.plan.micro_batch, r.plan.accum, r.plan.devices):
@@ -354,7 +488,7 @@ def train(world: World, cfg: DictConfig, run_dir: Path) -> Outcome:
     if main_dir != run_dir:  # torchrun: this rank's Hydra may have timed its directory a second later
         dist.remove_stray_run_dir(run_dir)
     run_dir = main_dir
-    r = setup(cfg, world, device)
+    r = setup(cfg, world, device, cache_dir=run_dir.parent)
     resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
     progress = restore(r, resume_from) if resume_from else Progress()
     rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
@@ -383,7 +517,8 @@ def train(world: World, cfg: DictConfig, run_dir: Path) -> Outcome:
         metrics.close()
     p = out.progress
     if world.main:
-        log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, p.best_acc, p.best_step)
+        log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, p.best_acc, p.best_step,
+                              out.peak_mb)
                  + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
         if out.stopped_by:
             log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {r.plan.total_steps}; "

@@ -1,0 +1,53 @@
+"""`trainer.precision`: 32, bf16-mixed / 16-mixed (autocast; 16-mixed with a GradScaler), bf16-true (bf16 weights)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import ContextManager, Optional
+
+import torch
+
+from accutrain.errors import UserError
+
+CHOICES = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+@dataclass
+class Precision:
+    name: str
+    device: torch.device
+    autocast_dtype: Optional[torch.dtype]  # the forward's compute dtype under autocast, or None
+    param_dtype: torch.dtype  # the weights' dtype
+    scaler: Optional[torch.amp.GradScaler]  # 16-mixed only: scale/unscale/step/update once per optimizer step
+
+    def autocast(self) -> ContextManager:
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Floating inputs in the weights' dtype when the weights are half precision; others as they are."""
+        if self.param_dtype != torch.float32 and x.is_floating_point():
+            return x.to(self.param_dtype)
+        return x
+
+
+def make_precision(name: str, device: torch.device) -> Precision:
+    name = str(name)
+    if name not in CHOICES:
+        raise UserError(f"trainer.precision={name} is not valid: expected one of {', '.join(CHOICES)}")
+    if name == "16-mixed":
+        return Precision(name, device, torch.float16, torch.float32, torch.amp.GradScaler(device.type))
+    if name == "bf16-mixed":
+        return Precision(name, device, torch.bfloat16, torch.float32, None)
+    if name == "bf16-true":
+        return Precision(name, device, None, torch.bfloat16, None)
+    return Precision(name, device, None, torch.float32, None)
+
+
+def tolerance(name: str) -> float:
+    """Relative agreement to expect between two float summation orders of the same gradient at this precision."""
+    return {"32": 1e-4, "bf16-mixed": 5e-2, "16-mixed": 1e-2, "bf16-true": 5e-2}[str(name)]
