@@ -72,6 +72,30 @@ def _train(cfg: DictConfig) -> None:
             write_loss_plot(run_dir)
 
 
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def _check(cfg: DictConfig) -> None:
+    """accutrain-check: exit 0 when the configured run's accumulation is faithful, 1 when not, 2 on a user error."""
+    from accutrain.check import run_check
+    from accutrain.train import setup_for_check
+
+    try:
+        result = run_check(setup_for_check(cfg))
+    except UserError as e:
+        print(f"accutrain-check: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    print("\n".join(result.lines()))
+    sys.exit(0 if result.faithful else 1)
+
+
+def check_main() -> None:
+    """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                 "hydra/hydra_logging=disabled"]
+    _check()
+
+
 def check_output_dir(argv: list[str]) -> None:
     """Create an output directory given on the command line now, so a bad one is one line, not a traceback."""
     for arg in argv:

@@ -21,6 +21,18 @@ class OnNonFinite(enum.Enum):
     skip = "skip"  # drop the window's gradients: no optimizer or scheduler step; counted and logged
 
 
+class Norm(enum.Enum):
+    keep = "keep"  # the model's own normalisation layers
+    group = "group"  # BatchNorm → GroupNorm (model.norm_groups): statistics per sample, exact under accumulation
+    frozen = "frozen"  # BatchNorm kept in eval mode: fixed running statistics (fine-tuning pretrained weights)
+
+
+class Normalize(enum.Enum):
+    samples = "samples"  # the window's loss is the mean over its samples
+    elements = "elements"  # … over its elements (tokens, pixels), ignoring loss.ignore_index
+    tokens = "tokens"  # the same as elements
+
+
 class LastWindow(enum.Enum):
     step = "step"  # step on the incomplete last window of an epoch, normalised by its real size
     drop = "drop"  # drop it
@@ -38,6 +50,8 @@ class LRScaling(enum.Enum):
 class ModelConfig:
     _target_: str = MISSING
     sync_batchnorm: bool = False  # BatchNorm → SyncBatchNorm when devices > 1: statistics over every rank's share
+    norm: Norm = Norm.keep  # keep | group | frozen: what becomes of BatchNorm
+    norm_groups: int = 32  # model.norm=group: groups per GroupNorm (the largest divisor of the channels ≤ this)
 
 
 @dataclass
@@ -60,6 +74,13 @@ class CNNModel(ModelConfig):
     _target_: str = "accutrain.models.cnn"
     channels: List[int] = field(default_factory=lambda: [32, 64])
     dropout: float = 0.0
+
+
+@dataclass
+class CharLMModel(ModelConfig):
+    _target_: str = "accutrain.models.char_lm"
+    embedding: int = 32
+    hidden: int = 64
 
 
 # --- data/ --------------------------------------------------------------------------------------------
@@ -93,6 +114,18 @@ class TorchvisionData(DataConfig):
     name: str = MISSING  # cifar10 | mnist
     root: str = "data"
     download: bool = False
+
+
+@dataclass
+class SequenceData(DataConfig):
+    _target_: str = "accutrain.data.sequences"
+    size: int = 2000  # training sequences
+    val_size: int = 200
+    vocab: int = 24
+    min_length: int = 4
+    max_length: int = 32  # sequences are padded to this; padded positions are ignored by the loss
+    seed: int = II("seed")
+    pad_target: int = II("loss.ignore_index")
 
 
 @dataclass
@@ -148,6 +181,12 @@ class CosineSched(SchedConfig):
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak lr
 
 
+@dataclass
+class LossConfig:
+    normalize: Normalize = Normalize.samples
+    ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
+
+
 # --- trainer and the top level ------------------------------------------------------------------------
 @dataclass
 class TrainerConfig:
@@ -168,6 +207,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute activations in backward
     offload_grads: bool = False  # keep the accumulating gradients in (pinned) CPU memory between micro-batches
     memory_budget_mb: Optional[float] = None  # micro_batch=auto: the memory a trial step may peak at (CPU: needed)
+    check: bool = False  # run accutrain-check's comparison on the first window before training
 
 
 @dataclass
@@ -176,6 +216,7 @@ class TrainConfig:
     data: Any = MISSING
     optim: Any = MISSING
     sched: Any = MISSING
+    loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
     # OmegaConf, explains a bad value (see validate).
@@ -192,10 +233,12 @@ SCHEMAS = {
     ("model", "torchvision_schema"): TorchvisionModel,
     ("model", "mlp_schema"): MLPModel,
     ("model", "cnn_schema"): CNNModel,
+    ("model", "char_lm_schema"): CharLMModel,
     ("data", "digits_schema"): DigitsData,
     ("data", "synthetic_schema"): SyntheticData,
     ("data", "torchvision_schema"): TorchvisionData,
     ("data", "image_folder_schema"): ImageFolderData,
+    ("data", "sequences_schema"): SequenceData,
     ("optim", "sgd_schema"): SGDOptim,
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,
@@ -269,6 +312,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
     if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
+    if cfg.model.get("norm_groups", 1) < 1:
+        raise UserError(f"model.norm_groups={cfg.model.norm_groups} is not valid: expected a positive integer")
     if cfg.data.num_workers < 0:
         raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
     if cfg.sched.warmup_steps < 0:

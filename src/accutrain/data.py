@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,13 +17,15 @@ from accutrain.errors import UserError
 
 @dataclass
 class Datasets:
-    """What a `data` factory returns: two splits of (image tensor C×H×W, int label) pairs and their shape."""
+    """What a `data` factory returns: two splits of (input, target) pairs. A target is a class index per sample,
+    or per element (a sequence's tokens, an image's pixels) for element-level losses."""
 
     train: Dataset
     val: Dataset
     num_classes: int
-    sample_shape: tuple[int, int, int]  # channels, height, width
+    sample_shape: tuple[int, ...]  # one input's shape: channels, height, width for images
     description: str
+    extra: dict[str, Any] = field(default_factory=dict)  # more data-derived model arguments (vocab_size, …)
 
 
 class InMemory(Dataset):
@@ -36,8 +38,8 @@ class InMemory(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.images[i], int(self.labels[i])
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[i], self.labels[i]
 
 
 def digits() -> Datasets:
@@ -67,9 +69,9 @@ class Synthetic(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + i)
-        y = int(self.labels[i])
+        y = self.labels[i]
         x = self.prototypes[y] + self.noise * torch.randn(self.prototypes.shape[1:], generator=g)
         return x, y
 
@@ -95,6 +97,31 @@ def synthetic(
         train, val = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.labels) for d in (train, val))
     return Datasets(train, val, num_classes, (channels, image_size, image_size),
                     f"synthetic ({num_classes} classes, seed {seed})")
+
+
+def sequences(size: int, val_size: int, vocab: int, min_length: int, max_length: int, seed: int,
+              pad_target: int = -100) -> Datasets:
+    """Generated token sequences of varying length: each next token follows a random (seeded) bigram table, and
+    the target of every position is the next token. Sequences are padded to max_length with token 0, whose
+    targets are `pad_target` (the loss's ignore_index): a per-element loss whose element count varies."""
+    if vocab < 2 or not 1 <= min_length <= max_length:
+        raise UserError(f"data: need vocab >= 2 and 1 <= min_length <= max_length, got vocab={vocab}, "
+                        f"min_length={min_length}, max_length={max_length}")
+    g = torch.Generator().manual_seed(seed)
+    table = torch.softmax(3 * torch.randn(vocab, vocab, generator=g), dim=1)
+    table[:, 0] = 0  # token 0 is padding, never generated
+    n = size + val_size
+    lengths = torch.randint(min_length, max_length + 1, (n,), generator=g)
+    tokens = torch.zeros(n, max_length + 1, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(1, vocab, (n,), generator=g)
+    for t in range(1, max_length + 1):
+        tokens[:, t] = torch.multinomial(table[tokens[:, t - 1]], 1, generator=g).squeeze(1)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    padded = torch.arange(max_length)[None, :] >= lengths[:, None]
+    inputs[padded], targets[padded] = 0, pad_target
+    return Datasets(InMemory(inputs[:size], targets[:size]), InMemory(inputs[size:], targets[size:]), vocab,
+                    (max_length,), f"sequences (vocab {vocab}, length {min_length}–{max_length}, seed {seed})",
+                    extra=dict(vocab_size=vocab))
 
 
 _TORCHVISION = {
@@ -204,7 +231,6 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory:
 
 
 def describe_split_sizes(ds: Datasets) -> str:
-    c, h, w = ds.sample_shape
-    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val, {c}×{h}×{w}, "
-            f"{ds.num_classes} classes")
+    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val, "
+            f"{'×'.join(map(str, ds.sample_shape))}, {ds.num_classes} classes")
 

@@ -224,11 +224,9 @@ def write_cache(path: Path, key: str, micro_batch: int, description: str) -> Non
 
 
 def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Any],
-          device: torch.device, budget_mb: Optional[float]) -> Callable[[int], tuple[bool, float]]:
+          device: torch.device, budget_mb: Optional[float], loss: Callable) -> Callable[[int], tuple[bool, float]]:
     """fits(size): one real forward, backward and optimizer step on `size` samples; (fits, peak MiB). Weights,
     buffers, optimizer state and RNG are restored afterwards, so the search leaves no trace on training."""
-    from accutrain.step import summed_cross_entropy
-
     def fits(size: int) -> tuple[bool, float]:
         saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         x, y = batch_of(size)
@@ -238,7 +236,7 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, ba
                 reset_peak(device)
                 with precision.autocast():
                     logits = model(precision.inputs(x.to(device)))
-                precision.backward(summed_cross_entropy(logits, y.to(device)))
+                precision.backward(loss(logits, y.to(device)))
                 optimizer.step()  # its state (momentum, Adam moments) is part of what must fit
                 mb = peak_mb(device)
             return budget_mb is None or mb <= budget_mb, mb

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import types
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from accutrain.config import load_target
 from accutrain.errors import UserError
 
 # Keys of the `model` config that accutrain applies itself instead of passing them to the factory.
-MODEL_KEYS_NOT_ARGS = {"_target_", "sync_batchnorm"}
+MODEL_KEYS_NOT_ARGS = {"_target_", "sync_batchnorm", "norm", "norm_groups"}
 
 
 def mlp(num_classes: int, in_channels: int, image_size: int, hidden: list[int], dropout: float = 0.0) -> nn.Module:
@@ -33,6 +34,54 @@ def cnn(num_classes: int, in_channels: int, channels: list[int], dropout: float 
         prev = c
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()] + ([nn.Dropout(dropout)] if dropout else [])
     return nn.Sequential(*layers, nn.Linear(prev, num_classes))
+
+
+class CharLM(nn.Module):
+    """Embedding, GRU, and a classifier per position; logits in cross_entropy's layout (batch, classes, length)."""
+
+    def __init__(self, vocab_size: int, num_classes: int, embedding: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embedding)
+        self.rnn = nn.GRU(embedding, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        states, _ = self.rnn(self.embed(tokens))
+        return self.head(states).transpose(1, 2)
+
+
+def char_lm(vocab_size: int, num_classes: int, embedding: int = 32, hidden: int = 64) -> nn.Module:
+    """A small character-level language model for accutrain's generated sequences (next-token targets)."""
+    return CharLM(vocab_size, num_classes, embedding, hidden)
+
+
+def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(module, False)
+
+
+def convert_norm(model: nn.Module, norm: Any, groups: int) -> int:
+    """model.norm: BatchNorm → GroupNorm (`group`, affine weights carried over), or kept in eval mode with its
+    running statistics fixed (`frozen`; its scale and shift still train). Returns how many layers changed."""
+    from accutrain.config import Norm
+
+    norm = Norm(norm.value if hasattr(norm, "value") else norm)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norm is Norm.keep:
+        return 0
+    for name, bn in layers:
+        if norm is Norm.frozen:
+            bn.eval()
+            bn.train = types.MethodType(_stay_in_eval, bn)  # model.train() leaves it in eval mode
+            continue
+        channels = bn.num_features
+        group_count = max(g for g in range(1, min(groups, channels) + 1) if channels % g == 0)
+        gn = nn.GroupNorm(group_count, channels, eps=bn.eps, affine=bn.affine)
+        if bn.affine:
+            with torch.no_grad():
+                gn.weight.copy_(bn.weight)
+                gn.bias.copy_(bn.bias)
+        _replace(model, name, gn)
+    return len(layers)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -108,16 +157,20 @@ def torchvision_classifier(
     return model
 
 
-def build_model(cfg: Any, sample_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Call `cfg._target_` with the other keys of `cfg`, plus num_classes/in_channels/image_size if it takes them.
+def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,
+                example: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> nn.Module:
+    """Call `cfg._target_` with the other keys of `cfg`, plus the data's arguments (num_classes, in_channels,
+    image_size, and `extra`) that it takes; then apply model.norm.
 
-    A dry forward pass on two blank samples checks that the model takes the data's shape and returns one logit
-    per class, so a mismatch is one clear line now rather than a traceback in the first step.
+    A dry forward pass (on two samples of the data, `example`, or two blank images) checks that the model takes
+    the data and returns one logit per class, so a mismatch is one clear line now rather than a traceback in the
+    first step.
     """
     factory = load_target("model._target_", cfg["_target_"])
     kwargs = {k: v for k, v in cfg.items() if k not in MODEL_KEYS_NOT_ARGS}
-    c, h, w = sample_shape
-    from_data = dict(num_classes=num_classes, in_channels=c, image_size=h)
+    from_data: dict[str, Any] = dict(num_classes=num_classes, **(extra or {}))
+    if len(sample_shape) == 3:
+        from_data.update(in_channels=sample_shape[0], image_size=sample_shape[1])
     params = inspect.signature(factory).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs.update({k: v for k, v in from_data.items() if takes_any or k in params})
@@ -127,19 +180,23 @@ def build_model(cfg: Any, sample_shape: tuple[int, int, int], num_classes: int) 
         raise UserError(f"model._target_={cfg['_target_']}: {e}") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
+    convert_norm(model, cfg.get("norm", "keep"), cfg.get("norm_groups", 32))
+    x, y = example if example is not None else (torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
+    shape = "×".join(map(str, x.shape[1:]))
     model.eval()
     try:
         with torch.no_grad():
-            out = model(torch.zeros(2, c, h, w))
+            out = model(x)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
-        raise UserError(f"the model does not take {c}×{h}×{w} images ({first}); choose a model for this "
-                        "input size or other data") from None
+        raise UserError(f"the model does not take {shape} inputs ({first}); choose a model for this input size or "
+                        "other data") from None
     model.train()
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise UserError(f"the model returns {shape} for a batch of 2, expected (2, {num_classes}): one logit per "
-                        "class of the data")
+    expected = (len(x), num_classes, *y.shape[1:])  # per sample, or per element in cross_entropy's layout
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise UserError(f"the model returns {got} for a batch of {len(x)}, expected {expected}: one logit per class "
+                        "of the data" + (" per element (classes in dimension 1)" if y.dim() > 1 else ""))
     return model
 
 

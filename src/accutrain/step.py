@@ -6,7 +6,8 @@ For a window W (every micro-batch on every rank before one optimizer step) with 
 
 |W| is the real count, so the step is the big batch's step also when the last micro-batch of an epoch is short
 or the last window incomplete (dividing by `accum` would over-weight a short tail). With DDP averaging over
-`world` ranks, each rank scales its sum by world / |W|.
+`world` ranks, each rank scales its sum by world / |W|. For element-level losses (loss.normalize=elements) the
+loss_i are the window's elements (tokens, pixels) whose target is not ignore_index, and |W| counts them.
 """
 from __future__ import annotations
 
@@ -22,37 +23,48 @@ from accutrain.precision import Precision, make_precision
 FP32 = make_precision("32", torch.device("cpu"))
 
 
-def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides.
-    Half-precision logits are promoted: the loss is computed in float32 at least."""
+    Targets are per sample (logits N×C) or per element (logits N×C×d…, targets N×d…); targets equal to
+    ignore_index add nothing. Half-precision logits are promoted: the loss is float32 at least."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return F.cross_entropy(logits, target, reduction="sum")
+    return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index)
+
+
+def count_terms(micro_batches: Sequence[Sequence[torch.Tensor]], elements: bool, ignore_index: int = -100
+                ) -> int:
+    """The loss terms in these micro-batches: samples, or elements whose target is not ignore_index."""
+    if not elements:
+        return sum(len(b[1]) for b in micro_batches)
+    return int(sum(int((b[1] != ignore_index).sum()) for b in micro_batches))
 
 
 def accumulate(
     model: nn.Module,
     micro_batches: Sequence[Sequence[torch.Tensor]],
-    window_size: int,
+    normalizer: int,
     device: torch.device,
     *,
     world: int = 1,
     no_sync: Callable[[], ContextManager] = nullcontext,
     precision: Optional[Precision] = None,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = summed_cross_entropy,
 ) -> torch.Tensor:
     """Forward and backward each of this rank's micro-batches of one window; .grad then holds ∇(mean loss over W).
 
-    Backward runs per micro-batch, so only one micro-batch's activations are alive at a time. Gradients are
-    synchronised across ranks on the last micro-batch only. Returns this rank's summed loss, detached.
+    `normalizer` is |W|, the window's loss terms on all ranks (samples, or elements), known before the first
+    backward. Backward runs per micro-batch, so only one micro-batch's activations are alive at a time.
+    Gradients are synchronised across ranks on the last micro-batch only. Returns this rank's summed loss.
     """
     precision = precision or FP32
-    scale = world / window_size
+    scale = world / normalizer
     loss_total = torch.zeros((), device=device, dtype=torch.float64)
     for k, (x, y) in enumerate(micro_batches):
         with no_sync() if k < len(micro_batches) - 1 else nullcontext():  # one gradient all-reduce per window
             with precision.autocast():
                 logits = model(precision.inputs(x.to(device, non_blocking=True)))
-            loss_sum = summed_cross_entropy(logits, y.to(device, non_blocking=True))
+            loss_sum = loss(logits, y.to(device, non_blocking=True))
             precision.backward(loss_sum * scale)
         loss_total += loss_sum.detach()
     return loss_total
@@ -81,9 +93,10 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, device: torch.device,
-             precision: Optional[Precision] = None) -> torch.Tensor:
-    """Sums over this rank's share of the held-out split: tensor([summed loss, correct predictions, samples])."""
+def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision: Optional[Precision] = None,
+             ignore_index: int = -100) -> torch.Tensor:
+    """Sums over this rank's share of the held-out split: tensor([summed loss, correct predictions, terms]), where
+    the terms are samples, or (for element targets) elements whose target is not ignore_index."""
     precision = precision or FP32
     was_training = model.training
     model.eval()
@@ -92,8 +105,9 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device,
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with precision.autocast():
             logits = model(precision.inputs(x))
-        sums[0] += summed_cross_entropy(logits, y).double()
-        sums[1] += (logits.argmax(1) == y).sum()
-        sums[2] += len(y)
+        counted = y != ignore_index
+        sums[0] += summed_cross_entropy(logits, y, ignore_index).double()
+        sums[1] += ((logits.argmax(1) == y) & counted).sum()
+        sums[2] += counted.sum()
     model.train(was_training)
     return sums

@@ -1,6 +1,7 @@
 """The recipe: build everything from the config, then windows → accumulate → one optimizer step → log/evaluate."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -19,15 +20,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from accutrain import checkpoint, data, dist, lr_scaling, memory, models
-from accutrain.config import OnNonFinite, load_target, validate
+from accutrain import check, checkpoint, data, dist, lr_scaling, memory, models
+from accutrain.config import Normalize, OnNonFinite, load_target, validate
 from accutrain.dist import World
 from accutrain.errors import Preempted, UserError
 from accutrain.metrics import MetricsLog, progress_bar, summary_line
-from accutrain.plan import BatchPlan, make_plan
+from accutrain.plan import BatchPlan, derive_accum, make_plan
 from accutrain.precision import Precision, make_precision
 from accutrain.signals import StopRequest
-from accutrain.step import accumulate, evaluate, grad_norm, resplit
+from accutrain.step import accumulate, count_terms, evaluate, grad_norm, resplit, summed_cross_entropy
 from accutrain.windows import Window, WindowSampler
 
 log = logging.getLogger("accutrain")
@@ -95,6 +96,8 @@ class Run:
     empty_batch: Any  # a batch of zero samples, for a rank whose share of a short window runs out
     precision: Precision
     buffers: Optional[memory.GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # summed over the micro-batch's terms
+    elements: bool  # loss.normalize=elements: the window's mean is over its elements, not its samples
 
 
 def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device] = None,
@@ -110,7 +113,8 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
 
     torch.manual_seed(cfg.seed)  # the initial weights depend on the seed only
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes)
+    example = default_collate([datasets.train[i] for i in range(min(2, len(datasets.train)))])
+    model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     if world.size > 1 and model_cfg.get("sync_batchnorm"):
         if device.type != "cuda":
             raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on "
@@ -166,8 +170,34 @@ def setup(cfg: DictConfig, world: World = World(), device: Optional[torch.device
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin)
     empty_batch = [t[:0] for t in default_collate([datasets.train[0]])]
+    elements = cfg.loss.normalize in (Normalize.elements, Normalize.tokens)
+    loss = functools.partial(summed_cross_entropy, ignore_index=cfg.loss.ignore_index)
+    warn_about_batchnorm(model, plan, world, model_cfg)
     return Run(cfg, world, plan, device, model, forward, no_sync, comm, optimizer, scheduler, sampler, loader,
-               val_loader, empty_batch, precision, buffers)
+               val_loader, empty_batch, precision, buffers, loss, elements)
+
+
+def warn_about_batchnorm(model: nn.Module, plan: BatchPlan, world: World, model_cfg: dict) -> None:
+    """BatchNorm in training mode computes its statistics per micro-batch: say so when that is not the window."""
+    norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    synced = world.size > 1 and model_cfg.get("sync_batchnorm")
+    seen = plan.micro_batch * (world.size if synced else 1)  # the samples one BatchNorm statistic is taken over
+    if norms and seen < plan.effective:
+        log.warning(f"{norms} BatchNorm layers take their statistics over {seen} samples, not the window's "
+                    f"{plan.effective}: the accumulated step is not exactly the big batch's (accutrain-check "
+                    f"measures by how much). Remedies: {check.REMEDIES}")
+
+
+def setup_for_check(cfg: DictConfig) -> Run:
+    """The run accutrain-check inspects: one process, every device's micro-batches of a window taken in turn."""
+    validate(cfg)
+    cfg = cfg.copy()
+    devices = dist.count_devices(cfg.devices, resolve_device(cfg.trainer.device).type)
+    if cfg.micro_batch != "auto":
+        cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
+        cfg.global_batch = None
+    cfg.devices = 1
+    return setup(cfg)
 
 
 def make_grad_buffers(trainer: DictConfig, model: nn.Module, precision: Precision, device: torch.device,
@@ -212,7 +242,8 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
         def batch_of(size: int) -> Any:
             return default_collate([datasets.train[i % len(datasets.train)] for i in range(size)])
 
-        fits = memory.trial(model, optimizer, precision, batch_of, device, budget)
+        loss = functools.partial(summed_cross_entropy, ignore_index=cfg.loss.ignore_index)
+        fits = memory.trial(model, optimizer, precision, batch_of, device, budget, loss)
         found, notes = memory.search_micro_batch(window, fits, budget)
         log.info(f"micro_batch=auto: trial steps {'; '.join(notes)}")
         if world.size > 1:  # every rank tried on its own device: take the size that fits on all of them
@@ -266,7 +297,7 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
     start, start_samples, peak = time.perf_counter(), p.samples, 0.0
 
     def validate_now(epoch: int) -> None:
-        sums = evaluate(r.forward, r.val_loader, r.device, r.precision)
+        sums = evaluate(r.forward, r.val_loader, r.device, r.precision, r.cfg.loss.ignore_index)
         loss_sum, correct, n = dist.all_reduce_sum(sums, world).tolist()
         val_loss, val_acc = loss_sum / n, correct / n
         metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
@@ -281,10 +312,17 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
             t0 = time.perf_counter()
             memory.reset_peak(r.device)
             micro = load_window(window, batches, r.empty_batch, p.split)
+            terms = window.size  # the window's loss terms on every rank: samples, or counted elements
+            if r.elements:
+                terms = int(dist.all_reduce_sum(torch.tensor(count_terms(micro, True, r.cfg.loss.ignore_index),
+                                                             device=r.device), world).item())
+                if terms == 0:
+                    raise UserError(f"window {window.index} of epoch {epoch + 1} has no element to learn from: "
+                                    f"every target equals loss.ignore_index={r.cfg.loss.ignore_index}")
             while True:
                 try:
-                    loss_sum = accumulate(r.forward, micro, window.size, r.device, world=world.size,
-                                          no_sync=r.no_sync, precision=r.precision)
+                    loss_sum = accumulate(r.forward, micro, terms, r.device, world=world.size, no_sync=r.no_sync,
+                                          precision=r.precision, loss=r.loss)
                     break
                 except Exception as e:  # out of memory: the same window again, in smaller micro-batches
                     micro = split_after_oom(r, p, micro, e)
@@ -297,7 +335,7 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
             loss_sum, stop_votes = dist.all_reduce_sum(
                 torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=r.device,
                                                     dtype=torch.float64)]), world).tolist()
-            loss, lr = loss_sum / window.size, r.optimizer.param_groups[0]["lr"]
+            loss, lr = loss_sum / terms, r.optimizer.param_groups[0]["lr"]
             skipped = None
             if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
                 skipped = "nonfinite"
@@ -329,6 +367,8 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
                           samples_seen=p.samples, time=time.perf_counter() - start,
                           peak_mem_mb=round(memory.peak_mb(r.device), 1))
             peak = max(peak, record["peak_mem_mb"])
+            if r.elements:
+                record["elements"] = terms
             if scaler:
                 record["amp_scale"] = scaler.get_scale()
             if skipped:
@@ -489,6 +529,10 @@ def train(world: World, cfg: DictConfig, run_dir: Path) -> Outcome:
         dist.remove_stray_run_dir(run_dir)
     run_dir = main_dir
     r = setup(cfg, world, device, cache_dir=run_dir.parent)
+    if cfg.trainer.check and world.main:
+        result = check.run_check(r)
+        for line in result.lines():
+            (log.info if result.faithful else log.warning)(f"check: {line}")
     resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
     progress = restore(r, resume_from) if resume_from else Progress()
     rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)

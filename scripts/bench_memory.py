@@ -1,0 +1,97 @@
+"""Peak memory and samples/s against the micro-batch, at a fixed effective batch, each run in a fresh process.
+
+resnet18 on generated images large enough that activations dominate memory; effective batch 64 split as
+64×1, 32×2, 16×4, 8×8, 4×16, plus 8×1 (the reference for 8×8: accumulating must not add memory), and 8×8 with
+activation checkpointing and with offloaded gradients. Peak memory is what accutrain records per optimizer step
+(`peak_mem_mb`: CUDA max allocated on a GPU, the process's peak RSS on the CPU); samples/s is measured after
+the first optimizer steps. Prints a table and the command that made it, and saves a plot.
+
+    python scripts/bench_memory.py                       # 224 px images, 6 optimizer steps per run
+    python scripts/bench_memory.py --image-size 224 --steps 12 --out docs/memory_gpu.png   # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SPLITS = [(64, 1), (32, 2), (16, 4), (8, 8), (4, 16), (8, 1)]
+EXTRA = [("8×8 + activation checkpointing", (8, 8), ["trainer.activation_checkpointing=true"]),
+         ("8×8 + offload_grads", (8, 8), ["trainer.offload_grads=true"])]
+
+
+def run(micro: int, accum: int, extra: list[str], args: argparse.Namespace) -> tuple[float, float]:
+    """(highest per-step peak MiB, samples/s after the warm-up steps) of one fresh accutrain process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "-m", "accutrain", "model=resnet18", "data=synthetic",
+                   f"data.image_size={args.image_size}", "data.size=512", "data.val_size=16",
+                   f"micro_batch={micro}", f"accum={accum}", "trainer.epochs=null", f"trainer.max_steps={args.steps}",
+                   "trainer.eval_every=1000000", "trainer.progress=false", f"hydra.run.dir={tmp}", *extra,
+                   *args.overrides]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
+        steps = [r for r in map(json.loads, Path(tmp, "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    timed = steps[args.warmup :]
+    rate = sum(r["samples"] for r in timed[1:]) / (timed[-1]["time"] - timed[0]["time"])
+    return max(r["peak_mem_mb"] for r in steps), rate
+
+
+def plot(rows: list[tuple[str, int, int, float, float]], out: Path, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), tight_layout=True)
+    memory_ax, speed_ax = fig.subplots(1, 2)
+    split = [r for r in rows if r[0] == f"{r[1]}×{r[2]}" and r[1] * r[2] == 64]
+    for ax, column, label in ((memory_ax, 3, "peak memory (MiB)"), (speed_ax, 4, "samples/s")):
+        ax.plot([r[1] for r in split], [r[column] for r in split], "o-", label="effective batch 64: micro × accum")
+        for name, micro, accum, mem, rate in rows:
+            if (name, micro * accum) != (f"{micro}×{accum}", 64):
+                ax.plot([micro], [mem if column == 3 else rate], "s", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro_batch")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    memory_ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=2, help="first optimizer steps not timed")
+    ap.add_argument("--out", type=Path, default=Path("docs/memory.png"))
+    ap.add_argument("overrides", nargs="*", help="more accutrain overrides, e.g. trainer.precision=bf16-mixed")
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    header = (f"resnet18, {args.image_size}×{args.image_size} images, {device}, torch {torch.__version__}, "
+              f"{platform.machine()}")
+    print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(header)
+    print(f"| {'micro_batch × accum':<32} | {'peak memory (MiB)':>17} | {'samples/s':>9} |")
+    print(f"|{'-' * 34}|{'-' * 19}|{'-' * 11}|")
+    rows = []
+    for name, (micro, accum), extra in [(f"{m}×{a}", (m, a), []) for m, a in SPLITS] + EXTRA:
+        mem, rate = run(micro, accum, extra, args)
+        rows.append((name, micro, accum, mem, rate))
+        print(f"| {name:<32} | {mem:>17.0f} | {rate:>9.1f} |", flush=True)
+    by_name = {r[0]: r for r in rows}
+    print(f"8×8 peak / 8×1 peak = {by_name['8×8'][3] / by_name['8×1'][3]:.3f}; "
+          f"4×16 peak / 64×1 peak = {by_name['4×16'][3] / by_name['64×1'][3]:.3f}")
+    plot(rows, args.out, header)
+    print(f"plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""accutrain-check: is the configured run's accumulated gradient the big batch's gradient, for this model and data?
+
+It takes the run's first window, computes the optimizer-step gradient both ways — accumulated over the configured
+micro-batches (every device's, in one process) and as one batch of the whole window — and compares them per
+parameter group. When they differ it names the causes it finds: BatchNorm in training mode, dropout, any other
+module whose output for a sample depends on the rest of its batch, and a loss reduction that is not the mean.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from accutrain import memory
+from accutrain.config import Normalize
+from accutrain.precision import tolerance
+from accutrain.step import accumulate, count_terms, summed_cross_entropy
+from accutrain.windows import epoch_order
+
+REMEDIES = ("model.norm=group (GroupNorm: statistics per sample; model.norm_groups sets the groups), "
+            "model.norm=frozen (BatchNorm in eval mode with fixed statistics, for fine-tuning pretrained weights), "
+            "model.sync_batchnorm=true (statistics over every device's micro-batch, with devices > 1)")
+
+
+@dataclass
+class Check:
+    window: int  # samples in the window
+    micro_batch: int
+    micro_batches: int
+    precision: str
+    groups: dict[str, float]  # relative difference of the gradient, per parameter group (top-level module)
+    overall: float
+    tolerance: float
+    reference_on: str  # where the one-batch gradient was computed
+    causes: list[str] = field(default_factory=list)
+
+    @property
+    def faithful(self) -> bool:
+        return self.overall <= self.tolerance
+
+    def lines(self) -> list[str]:
+        out = [f"first window: {self.window} samples in {self.micro_batches} micro-batches of up to "
+               f"{self.micro_batch} (precision {self.precision}); one-batch reference computed on "
+               f"{self.reference_on}",
+               f"{'parameter group':<28} relative difference of the gradient"]
+        out += [f"  {name:<26} {diff:.2e}" for name, diff in self.groups.items()]
+        out.append(f"  {'overall':<26} {self.overall:.2e}")
+        if self.faithful:
+            out.append(f"verdict: faithful — the accumulated step is the big batch's step (within {self.tolerance:.0e} "
+                       f"at precision {self.precision})")
+        else:
+            out.append(f"verdict: NOT faithful — the accumulated step differs from the big batch's by "
+                       f"{self.overall:.1e} (tolerance {self.tolerance:.0e} at precision {self.precision})")
+        if self.causes:
+            out.append("causes found:" if not self.faithful else "noted:")
+            out += [f"  - {cause}" for cause in self.causes]
+        return out
+
+
+def window_batches(r: Any) -> list[tuple[torch.Tensor, ...]]:
+    """The run's first window (epoch 0), cut into micro-batches of the configured size, every device's share."""
+    plan, dataset = r.plan, r.loader.dataset
+    samples = epoch_order(plan.train_size, r.cfg.seed, 0)[: plan.effective].tolist()
+    chunks = [samples[i : i + plan.micro_batch] for i in range(0, len(samples), plan.micro_batch)]
+    return [tuple(default_collate([dataset[i] for i in chunk])) for chunk in chunks]
+
+
+def _gradient(r: Any, model: nn.Module, micro: list, normalizer: int, device: torch.device, precision: Any,
+              loss: Any) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(r.cfg.seed)  # both ways draw the same random numbers where they can
+        accumulate(model, micro, normalizer, device, precision=precision, loss=loss)
+    if r.buffers is not None and model is r.model:
+        r.buffers.release()
+    grads = {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(state)
+    return grads
+
+
+def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    diff = torch.sqrt(sum((x - y).square().sum() for x, y in zip(a, b)))
+    norm = torch.sqrt(sum(y.square().sum() for y in b))
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+def run_check(r: Any) -> Check:
+    """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched."""
+    cfg, device = r.cfg, r.device
+    precision = dataclasses.replace(r.precision, scaler=None)  # a loss scale would only multiply both
+    elements = cfg.loss.normalize in (Normalize.elements, Normalize.tokens)
+    loss = functools.partial(summed_cross_entropy, ignore_index=cfg.loss.ignore_index)
+    micro = window_batches(r)
+    normalizer = count_terms(micro, elements, cfg.loss.ignore_index)
+    accumulated = _gradient(r, r.model, micro, normalizer, device, precision, loss)
+
+    big = [tuple(torch.cat(parts) for parts in zip(*micro))]
+    per_element = big[0][1].dim() > 1
+    reference_normalizer = count_terms(big, per_element, cfg.loss.ignore_index)  # the big batch's mean
+    try:
+        reference, where = _gradient(r, r.model, big, reference_normalizer, device, precision, loss), str(device)
+    except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU
+        if not memory.is_oom(e):
+            raise
+        memory.free_memory(device)
+        cpu = copy.deepcopy(r.model).to("cpu", torch.float64)
+        fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
+                                   param_dtype=torch.float64)
+        reference = _gradient(r, cpu, [tuple(t.double() if t.is_floating_point() else t for t in big[0])],
+                              reference_normalizer, torch.device("cpu"), fp64, loss)
+        where = "the CPU in float64 (the window does not fit the device)"
+
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in accumulated:
+        groups[name.split(".")[0]].append(name)
+    per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
+                 for g, names in groups.items()}
+    overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
+    check = Check(len(big[0][1]), r.plan.micro_batch, len(micro), precision.name, per_group, overall,
+                  tolerance(precision.name), where)
+    check.causes = causes(r.model, micro, big[0], r.plan.micro_batch, check, elements, per_element)
+    return check
+
+
+def _dropout_layers(model: nn.Module) -> list[str]:
+    found = []
+    for name, m in model.named_modules():
+        p = getattr(m, "p", 0)
+        if m.training and isinstance(p, float) and p > 0 and ("dropout" in type(m).__name__.lower()
+                                                              or type(m).__name__ == "StochasticDepth"):
+            found.append(name)
+    return found
+
+
+def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: Check, elements: bool,
+           per_element: bool) -> list[str]:
+    """What in the model and loss makes (or could make) the accumulated step differ from the big batch's."""
+    found = []
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        found.append(f"{len(norms)} BatchNorm layers in training mode: each normalises a micro-batch of "
+                     f"{micro_batch} samples with that micro-batch's statistics, not the window's {check.window}. "
+                     f"Remedies: {REMEDIES}")
+    dropout = _dropout_layers(model)
+    if dropout:
+        found.append(f"{len(dropout)} dropout layers in training mode ({', '.join(dropout[:4])}"
+                     f"{', …' if len(dropout) > 4 else ''}): their random masks depend on how the window is cut; "
+                     "the step matches the big batch's in distribution, not draw for draw")
+    probe = micro[0] if len(micro[0][0]) >= 2 else tuple(t[:2] for t in big)  # a micro-batch: it fits
+    try:
+        others = [n for n in batch_dependent_modules(model, probe) if n not in norms]
+    except Exception as e:
+        if not memory.is_oom(e):
+            raise
+        others = []
+        found.append("(the search for other batch-dependent modules ran out of memory and was skipped)")
+    if others:
+        found.append(f"modules whose output for a sample depends on the other samples of its batch: "
+                     f"{', '.join(others[:6])}{', …' if len(others) > 6 else ''}")
+    if per_element and not elements:
+        found.append("per-element targets with loss.normalize=samples: the window's loss is its token losses "
+                     "summed per sample, not their mean over the window's tokens, so windows with more tokens "
+                     "take larger steps; use loss.normalize=elements")
+    return found
+
+
+@torch.no_grad()
+def batch_dependent_modules(model: nn.Module, batch: tuple) -> list[str]:
+    """Modules whose output for the first half of a batch changes when the second half is left out (each run on
+    its own recorded input, dropout off); only the innermost such modules are named."""
+    probe = copy.deepcopy(model).to("cpu", torch.float32)
+    for name in _dropout_layers(probe):
+        probe.get_submodule(name).eval()
+    x = batch[0].to("cpu")
+    x = x.float() if x.is_floating_point() else x
+    n, recorded = len(x), {}
+    hooks = [m.register_forward_hook(functools.partial(_record, recorded, name), with_kwargs=True)
+             for name, m in probe.named_modules() if name]
+    try:
+        probe(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = max(1, n // 2)
+    flagged = []
+    for name, (args, kwargs) in recorded.items():
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if n < 2 or not tensors or any(t.dim() == 0 or len(t) != n for t in tensors):
+            continue  # not batch-first: cannot be probed this way
+        module = probe.get_submodule(name)
+        whole = _first_tensor(module(*args, **kwargs))
+        part = _first_tensor(module(*_head(args, k), **{key: _head(v, k) for key, v in kwargs.items()}))
+        if whole is None or part is None or len(whole) != n:
+            continue
+        scale = whole[:k].abs().max().clamp_min(1e-6)
+        if not torch.allclose(whole[:k], part, rtol=1e-3, atol=1e-4 * float(scale)):
+            flagged.append(name)
+    return [f for f in flagged if not any(other.startswith(f + ".") for other in flagged)]
+
+
+def _record(store: dict, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    store.setdefault(name, (args, kwargs))
+
+
+def _head(value: Any, k: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:k]
+    if isinstance(value, tuple):
+        return tuple(_head(v, k) for v in value)
+    return value
+
+
+def _first_tensor(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
