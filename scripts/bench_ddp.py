@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shlex
@@ -28,17 +29,20 @@ from accutrain import dist
 from accutrain.cli import config_dir
 from accutrain.config import register_schemas
 from accutrain.metrics import MetricsLog
-from accutrain.train import fit, resolve_device, setup
+from accutrain.signals import StopRequest
+from accutrain.train import Progress, fit, resolve_device, setup
 
 
 def bench_worker(world: dist.World, cfg, out: str, sync_every_micro_batch: bool) -> None:
+    logging.getLogger("accutrain").setLevel(logging.ERROR)
     device = dist.worker_device(resolve_device(cfg.trainer.device), world)
     dist.init_process_group(world, device)
     r = setup(cfg, world, device)
     if sync_every_micro_batch:
         r.no_sync = nullcontext  # the forgotten no_sync: DDP all-reduces after every backward
     metrics = MetricsLog(Path(out) if world.main else None)
-    fit(r, metrics)
+    with StopRequest(announce=False) as stop:
+        fit(r, metrics, Progress(), lambda progress: None, stop)
     metrics.close()
 
 

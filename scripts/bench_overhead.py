@@ -30,15 +30,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from accutrain import lr_scaling
 from accutrain.cli import config_dir
 from accutrain.config import register_schemas
-from accutrain.models import build_model
-from accutrain.train import factory_kwargs, fit, setup
 from accutrain.metrics import MetricsLog
+from accutrain.signals import StopRequest
+from accutrain.train import Progress, fit, setup
 
 
 def compose_config(overrides: list[str]):
@@ -53,17 +51,9 @@ def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
 
 
 def hand_written(cfg, steps: int, warmup: int) -> float:
-    make_data, data_kwargs = factory_kwargs("data", cfg.data, "num_workers")
-    datasets = make_data(**data_kwargs)
-    torch.manual_seed(cfg.seed)
-    model = build_model(OmegaConf.to_container(cfg.model, resolve=True), datasets.sample_shape,
-                        datasets.num_classes)
-    accum = cfg.accum or 1
-    make_optimizer, optim_kwargs = factory_kwargs("optim", cfg.optim, *lr_scaling.KEYS)
-    optim_kwargs["lr"] = lr_scaling.scaled_lr(cfg.optim.lr, cfg.micro_batch * accum, cfg.optim.lr_scaling,
-                                              cfg.optim.base_batch)
-    optimizer = make_optimizer(model, **optim_kwargs)
-    loader = DataLoader(datasets.train, batch_size=cfg.micro_batch, shuffle=True,
+    r = setup(cfg)  # the same model (seed), data and optimizer as accutrain's; only the loop is the textbook one
+    model, optimizer, accum = r.model, r.optimizer, r.plan.accum
+    loader = DataLoader(r.loader.dataset, batch_size=cfg.micro_batch, shuffle=True,
                         generator=torch.Generator().manual_seed(cfg.seed))
     times, samples, window = [], [], 0
     model.train()
@@ -89,7 +79,8 @@ def accutrain_loop(cfg, steps: int, warmup: int) -> float:
     r = setup(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = MetricsLog(Path(tmp) / "metrics.jsonl")
-        fit(r, metrics)
+        with StopRequest() as stop:
+            fit(r, metrics, Progress(), lambda progress: None, stop)
         metrics.close()
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "loss" in r]
@@ -105,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     overrides = args.overrides or ["accum=4"]
     cfg = compose_config(["trainer.device=cpu", *overrides])
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.ERROR)
 
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "

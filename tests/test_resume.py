@@ -1,10 +1,8 @@
 """Never lose a run: exact resume after SIGKILL/SIGTERM, safe loading, the non-finite policies, bad input."""
-import json
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 

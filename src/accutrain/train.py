@@ -276,6 +276,17 @@ class Progress:
     best_acc: Optional[float] = None
     best_step: Optional[int] = None
 
+    def advance(self, window: Window, plan: BatchPlan, loss: float, skipped: Optional[str]) -> None:
+        """Count the window's optimizer step (taken or skipped) and move to the next window."""
+        self.step, self.samples = self.step + 1, self.samples + window.size
+        self.skipped += skipped == "nonfinite"
+        if window.index == plan.steps_per_epoch - 1:
+            self.epoch, self.window = self.epoch + 1, 0
+        else:
+            self.window = window.index + 1
+        if math.isfinite(loss):
+            self.last_loss = loss
+
 
 @dataclass
 class Outcome:
@@ -291,114 +302,144 @@ def fit(r: Run, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Opt
         stop: StopRequest) -> Outcome:
     """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint."""
     trainer, plan, world = r.cfg.trainer, r.plan, r.world
-    params = [p for p in r.model.parameters() if p.requires_grad]
-    scaler = r.precision.scaler
-    bar = progress_bar(plan.total_steps, p.step, trainer.progress and world.main)
-    start, start_samples, peak = time.perf_counter(), p.samples, 0.0
-
-    def validate_now(epoch: int) -> None:
-        sums = evaluate(r.forward, r.val_loader, r.device, r.precision, r.cfg.loss.ignore_index)
-        loss_sum, correct, n = dist.all_reduce_sum(sums, world).tolist()
-        val_loss, val_acc = loss_sum / n, correct / n
-        metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
-        log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
-        if p.best_acc is None or val_acc > p.best_acc:
-            p.best_acc, p.best_step = val_acc, p.step
-
+    params = [param for param in r.model.parameters() if param.requires_grad]
+    log_step = StepLog(r, metrics, p)
     for epoch in range(p.epoch, plan.total_epochs):
         r.sampler.set_epoch(epoch, start_window=p.window)
         batches = iter(r.loader)
         for window in r.sampler.windows():
-            t0 = time.perf_counter()
-            memory.reset_peak(r.device)
+            log_step.start()
             micro = load_window(window, batches, r.empty_batch, p.split)
-            terms = window.size  # the window's loss terms on every rank: samples, or counted elements
-            if r.elements:
-                terms = int(dist.all_reduce_sum(torch.tensor(count_terms(micro, True, r.cfg.loss.ignore_index),
-                                                             device=r.device), world).item())
-                if terms == 0:
-                    raise UserError(f"window {window.index} of epoch {epoch + 1} has no element to learn from: "
-                                    f"every target equals loss.ignore_index={r.cfg.loss.ignore_index}")
-            while True:
-                try:
-                    loss_sum = accumulate(r.forward, micro, terms, r.device, world=world.size, no_sync=r.no_sync,
-                                          precision=r.precision, loss=r.loss)
-                    break
-                except Exception as e:  # out of memory: the same window again, in smaller micro-batches
-                    micro = split_after_oom(r, p, micro, e)
+            terms = window_terms(r, window, micro)  # |W|: the window's samples (or elements) on every rank
+            loss_sum = accumulate_fitting(r, p, micro, terms)  # forward+backward per micro-batch, one sync
             if r.buffers:
                 r.buffers.release()  # the window's summed gradients back into .grad
-            if scaler:
-                scaler.unscale_(r.optimizer)  # before the norm and clipping
+            if r.precision.scaler:
+                r.precision.scaler.unscale_(r.optimizer)  # before the norm and clipping
             norm = grad_norm(params, trainer.grad_clip).item()  # measured, and clipped if asked, once per window
-            # One small all-reduce: the window's summed loss over every rank, and whether any rank was signalled.
-            loss_sum, stop_votes = dist.all_reduce_sum(
-                torch.stack([loss_sum, torch.tensor(float(stop.signum is not None), device=r.device,
-                                                    dtype=torch.float64)]), world).tolist()
+            # One small all-reduce: the window's loss summed over every rank, and whether any rank was signalled.
+            loss_sum, stop_votes = dist.all_reduce_sum(torch.tensor(
+                [loss_sum.item(), stop.signum is not None], dtype=torch.float64, device=r.device), world).tolist()
             loss, lr = loss_sum / terms, r.optimizer.param_groups[0]["lr"]
-            skipped = None
-            if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
-                skipped = "nonfinite"
-                if trainer.on_nonfinite is OnNonFinite.stop:
-                    raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at optimizer "
-                                    f"step {p.step + 1} (epoch {epoch + 1}, window {window.index}): stopping; the "
-                                    "last checkpoint holds finite weights (trainer.on_nonfinite=skip skips such "
-                                    "windows)")
-            elif not math.isfinite(norm):
-                skipped = "amp_overflow"  # 16-mixed: the scaler skips this step and lowers its scale
-            else:
-                if scaler:
-                    scaler.step(r.optimizer)
-                else:
-                    r.optimizer.step()
-                r.scheduler.step()
-            if scaler:
-                scaler.update()
+            skipped = optimizer_step(r, loss, norm, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
             r.optimizer.zero_grad(set_to_none=True)
-
-            last_of_epoch = window.index == plan.steps_per_epoch - 1
-            p.step, p.samples, p.skipped = p.step + 1, p.samples + window.size, p.skipped + (skipped == "nonfinite")
-            p.epoch, p.window = (epoch + 1, 0) if last_of_epoch else (epoch, window.index + 1)
-            p.last_loss = loss if math.isfinite(loss) else p.last_loss
-            rate = window.size / (time.perf_counter() - t0)
-            record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
-                          samples=window.size, micro_batches=len(micro), lr=lr,
-                          grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate,
-                          samples_seen=p.samples, time=time.perf_counter() - start,
-                          peak_mem_mb=round(memory.peak_mb(r.device), 1))
-            peak = max(peak, record["peak_mem_mb"])
-            if r.elements:
-                record["elements"] = terms
-            if scaler:
-                record["amp_scale"] = scaler.get_scale()
-            if skipped:
-                record["skipped"] = skipped
-                log.warning(f"step {p.step}: " + (
-                    "AMP overflow: the GradScaler skipped the optimizer and scheduler step and lowered its scale to "
-                    f"{scaler.get_scale():g}" if skipped == "amp_overflow" else
-                    f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
-                    f"dropped, no optimizer step ({p.skipped} skipped so far)"))
-            if r.comm is not None:
-                record["grad_syncs"], record["comm_bytes"] = r.comm.take()
-            metrics.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
-            bar.update()
-            if p.step % trainer.log_every == 0:
-                log.info(f"step {p.step}/{plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}  lr {lr:.4g}  "
-                         f"grad_norm {norm:.3g}  {rate:.0f} samples/s")
+            p.advance(window, plan, loss, skipped)
+            log_step(window, micro, terms, loss, lr, norm, skipped)
 
             done = p.step == plan.total_steps
-            if done or (p.step % trainer.eval_every == 0 if trainer.eval_every else last_of_epoch):
-                validate_now(epoch)
-            stopping = stop_votes > 0
-            if done or stopping or (trainer.checkpoint_every and p.step % trainer.checkpoint_every == 0):
+            if done or (p.step % trainer.eval_every == 0 if trainer.eval_every else p.window == 0):
+                run_validation(r, metrics, p)
+            if done or stop_votes or (trainer.checkpoint_every and p.step % trainer.checkpoint_every == 0):
                 path = save(p)
-                if stopping or done:
-                    bar.close()
-                    return Outcome(p, time.perf_counter() - start, p.samples - start_samples, peak,
-                                   stop.name if stopping else None, path)
-    bar.close()
-    return Outcome(p, time.perf_counter() - start, p.samples - start_samples, peak)
+                if done or stop_votes:
+                    return log_step.outcome(stop.name if stop_votes else None, path)
+    return log_step.outcome(None, None)
+
+
+def window_terms(r: Run, window: Window, micro: list) -> int:
+    """The window's loss terms on every rank, known before the first backward: its samples, or (with
+    loss.normalize=elements) its elements whose target is not ignore_index, counted and summed over ranks."""
+    if not r.elements:
+        return window.size
+    local = torch.tensor(count_terms(micro, True, r.cfg.loss.ignore_index), device=r.device)
+    terms = int(dist.all_reduce_sum(local, r.world).item())
+    if terms == 0:
+        raise UserError(f"window {window.index} has no element to learn from: every target equals "
+                        f"loss.ignore_index={r.cfg.loss.ignore_index}")
+    return terms
+
+
+def accumulate_fitting(r: Run, p: Progress, micro: list, terms: int) -> torch.Tensor:
+    """accumulate(); after an out-of-memory, the same window again in smaller micro-batches."""
+    while True:
+        try:
+            return accumulate(r.forward, micro, terms, r.device, world=r.world.size, no_sync=r.no_sync,
+                              precision=r.precision, loss=r.loss)
+        except Exception as e:
+            micro[:] = split_after_oom(r, p, micro, e)
+
+
+def optimizer_step(r: Run, loss: float, norm: float, where: str) -> Optional[str]:
+    """Step the optimizer and the scheduler (and the GradScaler) once for the window, or say why not:
+    `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed lowers its scale)."""
+    scaler, skipped = r.precision.scaler, None
+    if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
+        skipped = "nonfinite"
+        if r.cfg.trainer.on_nonfinite is OnNonFinite.stop:
+            raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at {where}: stopping; "
+                            "the last checkpoint holds finite weights (trainer.on_nonfinite=skip skips such windows)")
+    elif not math.isfinite(norm):
+        skipped = "amp_overflow"  # inf/NaN in the scaled gradients: the scaler skips the step
+    else:
+        if scaler:
+            scaler.step(r.optimizer)
+        else:
+            r.optimizer.step()
+        r.scheduler.step()
+    if scaler:
+        scaler.update()
+    return skipped
+
+
+def run_validation(r: Run, metrics: MetricsLog, p: Progress) -> None:
+    """Evaluate on the held-out split (every rank its share), log it, remember the best accuracy."""
+    sums = evaluate(r.forward, r.val_loader, r.device, r.precision, r.cfg.loss.ignore_index)
+    loss_sum, correct, n = dist.all_reduce_sum(sums, r.world).tolist()
+    val_loss, val_acc = loss_sum / n, correct / n
+    epoch = p.epoch if p.window else p.epoch - 1  # the epoch of the step just taken, counted from 0
+    metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
+    log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
+    if p.best_acc is None or val_acc > p.best_acc:
+        p.best_acc, p.best_step = val_acc, p.step
+
+
+class StepLog:
+    """Per optimizer step: the metrics.jsonl record, the progress bar, the periodic log line, warnings."""
+
+    def __init__(self, r: Run, metrics: MetricsLog, p: Progress) -> None:
+        self.r, self.metrics, self.p = r, metrics, p
+        self.bar = progress_bar(r.plan.total_steps, p.step, r.cfg.trainer.progress and r.world.main)
+        self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
+
+    def start(self) -> None:
+        """A window begins: its time and its peak memory count from here."""
+        self.t0 = time.perf_counter()
+        memory.reset_peak(self.r.device)
+
+    def __call__(self, window: Window, micro: list, terms: int, loss: float, lr: float, norm: float,
+                 skipped: Optional[str]) -> None:
+        r, p = self.r, self.p
+        rate = window.size / (time.perf_counter() - self.t0)
+        epoch = p.epoch if p.window else p.epoch - 1
+        record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
+                      samples=window.size, micro_batches=len(micro), lr=lr,
+                      grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
+                      time=time.perf_counter() - self.began, peak_mem_mb=round(memory.peak_mb(r.device), 1))
+        self.peak = max(self.peak, record["peak_mem_mb"])
+        if r.elements:
+            record["elements"] = terms
+        if r.precision.scaler:
+            record["amp_scale"] = r.precision.scaler.get_scale()
+        if r.comm is not None:
+            record["grad_syncs"], record["comm_bytes"] = r.comm.take()
+        if skipped:
+            record["skipped"] = skipped
+            log.warning(f"step {p.step}: " + (
+                "AMP overflow: the GradScaler skipped the optimizer and scheduler step and lowered its scale to "
+                f"{r.precision.scaler.get_scale():g}" if skipped == "amp_overflow" else
+                f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
+                f"dropped, no optimizer step ({p.skipped} skipped so far)"))
+        self.metrics.write(record)
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
+        self.bar.update()
+        if p.step % r.cfg.trainer.log_every == 0:
+            log.info(f"step {p.step}/{r.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}  lr {lr:.4g}  "
+                     f"grad_norm {norm:.3g}  {rate:.0f} samples/s")
+
+    def outcome(self, stopped_by: Optional[str], checkpoint_path: Optional[Path]) -> "Outcome":
+        self.bar.close()
+        return Outcome(self.p, time.perf_counter() - self.began, self.p.samples - self.start_samples, self.peak,
+                       stopped_by, checkpoint_path)
 
 
 def split_after_oom(r: Run, p: Progress, micro: list, error: Exception) -> list:
