@@ -71,7 +71,7 @@ def plot_summary(rows: list[RunRow], out: Path) -> None:
     loss.grid(alpha=0.3)
     if any(row.curve for row in rows):
         loss.legend(fontsize="small")
-    _against_micro_batch(memory, rows, "peak_mem_mb", "peak memory (MB)",
+    _against_micro_batch(memory, rows, "peak_mem_mb", "peak memory (MiB)",
                          f"no peak_mem_mb in metrics.jsonl ({MISSING_VALUE})")
     _against_micro_batch(speed, rows, "samples_per_s", "samples/s", f"no samples/s recorded ({MISSING_VALUE})")
     fig.savefig(out)

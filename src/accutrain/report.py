@@ -192,7 +192,7 @@ def _fmt(value: Optional[float], digits: int) -> str:
 
 
 HEADER = ["job", "overrides", "effective batch", "micro_batch × accum × devices", "steps", "final loss",
-          "best val loss", "best val acc", "samples/s", "peak mem (MB)", "wall (s)", "status"]
+          "best val loss", "best val acc", "samples/s", "peak mem (MiB)", "wall (s)", "status"]
 
 
 def table_cells(rows: list[RunRow]) -> list[list[str]]:
