@@ -30,7 +30,8 @@ from accutrain.cli import config_dir
 from accutrain.config import register_schemas
 from accutrain.metrics import MetricsLog
 from accutrain.signals import StopRequest
-from accutrain.train import Progress, fit, resolve_device, setup
+from accutrain.resume import Progress
+from accutrain.train import fit, resolve_device, setup
 
 
 def bench_worker(world: dist.World, cfg, out: str, sync_every_micro_batch: bool) -> None:

@@ -36,7 +36,8 @@ from accutrain.cli import config_dir
 from accutrain.config import register_schemas
 from accutrain.metrics import MetricsLog
 from accutrain.signals import StopRequest
-from accutrain.train import Progress, fit, setup
+from accutrain.resume import Progress
+from accutrain.train import fit, setup
 
 
 def compose_config(overrides: list[str]):

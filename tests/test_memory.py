@@ -12,7 +12,8 @@ from accutrain.errors import UserError
 from accutrain.memory import GradBuffers, enable_activation_checkpointing, search_micro_batch
 from accutrain.metrics import MetricsLog
 from accutrain.signals import StopRequest
-from accutrain.train import Progress, fit, setup
+from accutrain.resume import Progress
+from accutrain.train import fit, setup
 from conftest import TINY, assert_one_line_error, final_weights, read_metrics, train_run
 from test_cli import EXACT, assert_same_weights
 

@@ -187,3 +187,22 @@ def test_launcher_configs_compose():
     assert preset._target_.endswith("SlurmLauncher")
     assert (preset.partition, preset.gpus_per_node, preset.tasks_per_node, preset.nodes) == ("a100", 1, 1, 1)
     assert preset.timeout_min == 30 and preset.cpus_per_task == 8
+
+
+@pytest.mark.slow
+def test_a_sweep_with_auto_micro_batch_and_resume(tmp_path):
+    """Every job searches (or reuses the sweep's cached) micro-batch; a second sweep resumes each job in place."""
+    sweep_dir = tmp_path / "sweep"
+    args = [*TINY, "data.size=96", "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000",
+            "resume=auto", "seed=0,1", f"hydra.sweep.dir={sweep_dir}"]
+    first = run_cli("-m", *args, "trainer.max_steps=3", cwd=tmp_path)
+    logs = [(sweep_dir / str(job) / "train.log").read_text() for job in (0, 1)]
+    assert "micro_batch=auto: trial steps" in logs[0] and "micro_batch=auto: 32, cached in" in logs[1]
+    assert (sweep_dir / "micro_batch_auto.json").is_file() and "4 runs" not in first.stdout
+    run_cli("-m", *args, "trainer.max_steps=6", cwd=tmp_path)
+    for job in (0, 1):
+        log = (sweep_dir / str(job) / "train.log").read_text()
+        assert "resumed from" in log and "at optimizer step 3" in log
+        assert [r["step"] for r in read_metrics(sweep_dir / str(job))[0]] == [1, 2, 3, 4, 5, 6]
+    rows = read_csv(sweep_dir / "summary.csv")
+    assert [(r["steps"], r["status"]) for r in rows] == [("6", "completed"), ("6", "completed")]
