@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, cli_command, final_weights, read_metrics, train_run
+from conftest import TINY, assert_one_line_error, cli_command, final_weights, read_metrics, run_cli, train_run
 
 # A model that sleeps in forward (numerics untouched) so that a kill can land at a chosen optimizer step, and
 # dropout so that an RNG state not restored would show.
@@ -258,3 +258,7 @@ def test_an_unwritable_output_directory_is_one_line(tmp_path):
     _, proc = train_run(tmp_path, "a_file/run", *TINY, check=False)
     assert proc.returncode == 2
     assert_one_line_error(proc, "cannot create the output directory", "Not a directory")
+    (tmp_path / "outputs").write_text("")  # Hydra's default run directory cannot be made here either
+    proc = run_cli(*TINY, cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "cannot create the output directory outputs")

@@ -97,16 +97,21 @@ def check_main() -> None:
 
 
 def check_output_dir(argv: list[str]) -> None:
-    """Create an output directory given on the command line now, so a bad one is one line, not a traceback."""
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
-            try:
-                Path(value).expanduser().mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                print(f"accutrain: error: cannot create the output directory {key}={value}: {e.strerror or e}",
-                      file=sys.stderr)
-                sys.exit(2)
+    """Create the output directory now (the one given on the command line, else Hydra's default outputs/ or
+    multirun/ in the working directory), so one that cannot be made is one line, not Hydra's traceback."""
+    multirun = "-m" in argv or "--multirun" in argv
+    given = {key: value for key, _, value in (arg.partition("=") for arg in argv)
+             if key in ("hydra.run.dir", "hydra.sweep.dir")}
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    value = given.get(key, "multirun" if multirun else "outputs")
+    if "${" in value:
+        return
+    try:
+        Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"accutrain: error: cannot create the output directory {value} ({key}): {e.strerror or e}",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
