@@ -154,6 +154,7 @@ def test_help_lists_the_config_groups(tmp_path):
     for group in ("model:", "data:", "optim:", "sched:"):
         assert group in out
     assert "resnet18" in out and "digits" in out
+    assert not (tmp_path / "outputs").exists()  # asking for help writes nothing
 
 
 def test_metrics_lines_are_json(tmp_path):

@@ -96,9 +96,15 @@ def check_main() -> None:
     _check()
 
 
+HYDRA_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
+                    "--shell-completion", "-sc", "--resolve", "-p", "--package"}
+
+
 def check_output_dir(argv: list[str]) -> None:
     """Create the output directory now (the one given on the command line, else Hydra's default outputs/ or
     multirun/ in the working directory), so one that cannot be made is one line, not Hydra's traceback."""
+    if any(arg.split("=")[0] in HYDRA_INFO_FLAGS for arg in argv):
+        return  # --help, --cfg, …: nothing will be written
     multirun = "-m" in argv or "--multirun" in argv
     given = {key: value for key, _, value in (arg.partition("=") for arg in argv)
              if key in ("hydra.run.dir", "hydra.sweep.dir")}
