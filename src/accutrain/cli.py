@@ -87,10 +87,15 @@ def _check(cfg: DictConfig) -> None:
     sys.exit(0 if result.faithful else 1)
 
 
-def check_main() -> None:
-    """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
+def import_from_working_directory() -> None:
+    """User plug-ins (`_target_`) import from the working directory, as with `python -m`."""
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+
+
+def check_main() -> None:
+    """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
+    import_from_working_directory()
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                  "hydra/hydra_logging=disabled"]
     _check()
@@ -121,8 +126,7 @@ def check_output_dir(argv: list[str]) -> None:
 
 
 def main() -> None:
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())  # user plug-ins (`_target_`) import from the working directory, as with -m
+    import_from_working_directory()
     if torchrun_secondary():
         sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
     check_output_dir(sys.argv[1:])

@@ -22,7 +22,8 @@ log = logging.getLogger("accutrain")
 
 
 # --- peak memory -----------------------------------------------------------------------------------------
-def _clear_refs_works() -> bool:
+def _reset_rss() -> bool:
+    """Reset the process's peak resident set size to the current one (Linux); False where that cannot be done."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -36,8 +37,7 @@ def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif _CAN_RESET_RSS:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak resident set size to the current one
+        _reset_rss()
 
 
 def peak_mb(device: torch.device) -> float:
@@ -53,7 +53,7 @@ def peak_mb(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-_CAN_RESET_RSS = _clear_refs_works()
+_CAN_RESET_RSS = _reset_rss()
 
 
 def is_oom(error: BaseException) -> bool:

@@ -37,6 +37,11 @@ class Progress:
     best_acc: Optional[float] = None
     best_step: Optional[int] = None
 
+    @property
+    def last_epoch(self) -> int:
+        """The epoch (from 0) of the optimizer step just taken: the next window may already be the next epoch's."""
+        return self.epoch if self.window else self.epoch - 1
+
     def advance(self, window: Window, plan: BatchPlan, loss: float, skipped: Optional[str]) -> None:
         """Count the window's optimizer step (taken or skipped) and move to the next window."""
         self.step, self.samples = self.step + 1, self.samples + window.size

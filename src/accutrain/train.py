@@ -360,7 +360,7 @@ def run_validation(r: Run, metrics: MetricsLog, p: Progress) -> None:
     sums = evaluate(r.forward, r.val_loader, r.device, r.precision, r.cfg.loss.ignore_index)
     loss_sum, correct, n = dist.all_reduce_sum(sums, r.world).tolist()
     val_loss, val_acc = loss_sum / n, correct / n
-    epoch = p.epoch if p.window else p.epoch - 1  # the epoch of the step just taken, counted from 0
+    epoch = p.last_epoch
     metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
     log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
     if p.best_acc is None or val_acc > p.best_acc:
@@ -384,7 +384,7 @@ class StepLog:
                  skipped: Optional[str]) -> None:
         r, p = self.r, self.p
         rate = window.size / (time.perf_counter() - self.t0)
-        epoch = p.epoch if p.window else p.epoch - 1
+        epoch = p.last_epoch
         record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
                       samples=window.size, micro_batches=len(micro), lr=lr,
                       grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
