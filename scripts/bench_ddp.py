@@ -23,22 +23,22 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from accutrain import dist
-from accutrain.cli import config_dir
-from accutrain.config import register_schemas
+from accutrain.build import build
+from accutrain.config import compose
+from accutrain.launch import spawn
+from accutrain.loop import fit
 from accutrain.metrics import MetricsLog
+from accutrain.progress import Progress
 from accutrain.signals import StopRequest
-from accutrain.resume import Progress
-from accutrain.train import fit, resolve_device, setup
 
 
 def bench_worker(world: dist.World, cfg, out: str, sync_every_micro_batch: bool) -> None:
     logging.getLogger("accutrain").setLevel(logging.ERROR)
-    device = dist.worker_device(resolve_device(cfg.trainer.device), world)
+    device = dist.worker_device(dist.resolve_device(cfg.trainer.device), world)
     dist.init_process_group(world, device)
-    r = setup(cfg, world, device)
+    r = build(cfg, world, device)
     if sync_every_micro_batch:
         r.no_sync = nullcontext  # the forgotten no_sync: DDP all-reduces after every backward
     metrics = MetricsLog(Path(out) if world.main else None)
@@ -51,7 +51,7 @@ def measure(cfg, sync_every: bool, warmup: int) -> tuple[float, float, float]:
     """(samples/s after warm-up, gradient all-reduces per optimizer step, MB communicated per optimizer step)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "metrics.jsonl")
-        dist.spawn(2, bench_worker, (cfg, out, sync_every), None)
+        spawn(2, bench_worker, (cfg, out, sync_every), None)
         steps = [r for r in map(json.loads, Path(out).read_text().splitlines()) if "loss" in r]
     timed = steps[warmup:]
     rate = sum(r["samples"] for r in timed[1:]) / (timed[-1]["time"] - timed[0]["time"])
@@ -68,7 +68,6 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: resnet18 on digits, micro_batch=16)")
     args = ap.parse_args()
     overrides = args.overrides or ["micro_batch=16"]
-    register_schemas()
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; devices=2 "
           f"({'NCCL' if torch.cuda.device_count() >= 2 else 'gloo on the CPU'}); {' '.join(overrides)}; "
@@ -76,10 +75,8 @@ def main() -> None:
     print(f"{'accum':>5} | {'one sync per step':>30} | {'a sync per micro-batch':>30} | speed-up")
     print(f"{'':>5} | {'samples/s  syncs/step  MB/step':>30} | {'samples/s  syncs/step  MB/step':>30} |")
     for accum in map(int, args.accums.split(",")):
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=[
-                "devices=2", f"accum={accum}", "trainer.epochs=null", f"trainer.max_steps={args.steps}",
-                "trainer.eval_every=1000000", "trainer.progress=false", *overrides])
+        cfg = compose("devices=2", f"accum={accum}", "trainer.epochs=null", f"trainer.max_steps={args.steps}",
+                      "trainer.eval_every=1000000", "trainer.progress=false", *overrides)
         once = measure(cfg, False, args.warmup)
         every = measure(cfg, True, args.warmup)
         print(f"{accum:>5} | {once[0]:>9.1f}  {once[1]:>10.1f}  {once[2]:>7.1f} | "

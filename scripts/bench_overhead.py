@@ -29,21 +29,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader
 
-from accutrain.cli import config_dir
-from accutrain.config import register_schemas
+from accutrain.build import build
+from accutrain.config import compose
+from accutrain.dist import World
+from accutrain.loop import fit
 from accutrain.metrics import MetricsLog
+from accutrain.progress import Progress
 from accutrain.signals import StopRequest
-from accutrain.resume import Progress
-from accutrain.train import fit, setup
 
 
-def compose_config(overrides: list[str]):
-    register_schemas()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+def setup(cfg):
+    return build(cfg, World(), torch.device("cpu"))
 
 
 def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
@@ -54,7 +52,7 @@ def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
 def hand_written(cfg, steps: int, warmup: int) -> float:
     r = setup(cfg)  # the same model (seed), data and optimizer as accutrain's; only the loop is the textbook one
     model, optimizer, accum = r.model, r.optimizer, r.plan.accum
-    loader = DataLoader(r.loader.dataset, batch_size=cfg.micro_batch, shuffle=True,
+    loader = DataLoader(r.loader.dataset.dataset, batch_size=cfg.micro_batch, shuffle=True,
                         generator=torch.Generator().manual_seed(cfg.seed))
     times, samples, window = [], [], 0
     model.train()
@@ -96,7 +94,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
     args = ap.parse_args()
     overrides = args.overrides or ["accum=4"]
-    cfg = compose_config(["trainer.device=cpu", *overrides])
+    cfg = compose("trainer.device=cpu", *overrides)
     logging.basicConfig(level=logging.ERROR)
 
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")

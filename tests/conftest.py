@@ -1,18 +1,67 @@
-"""Shared helpers: run the real `accutrain` CLI in a subprocess and read what a run wrote."""
+"""Shared helpers: compose a config, train in this process, run the real CLI in a subprocess, read what a run wrote.
+
+A test trains in this process (`train_here`) unless what it proves needs the command line itself (exit codes,
+one-line errors, signals, status.json, Hydra's run and sweep directories, torchrun): then `train_run` runs the
+`accutrain` console script. Both take the overrides a user would type.
+"""
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
+import pytest
 import torch
 
-# Tiny, fast, exact: an MLP (no BatchNorm, no dropout) on generated 1×8×8 images.
-TINY = ["model=mlp", "model.hidden=[32]", "data=synthetic", "data.image_size=8", "data.channels=1",
-        "data.val_size=50", "trainer.progress=false"]
+from accutrain.config import compose as compose_config
+from accutrain.launch import train
+
+# Each test process (pytest-xdist runs one per core) computes on one thread, and so does each accutrain it starts:
+# several processes each spinning up threads for every core would slow one another down many times over.
+torch.set_num_threads(1)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+# Tiny, fast, exact: the debug preset's MLP (no BatchNorm, no dropout) on generated 1×8×8 images, narrowed.
+TINY = ["debug=fast", "model.hidden=[32]"]
+# The same data for a model of the test's own (model=custom …).
+TINY_DATA = ["debug=fast"]
+
+
+@pytest.fixture
+def compose():
+    """The config `accutrain <overrides>` would run with: compose(*overrides)."""
+    return compose_config
+
+
+@contextmanager
+def captured_log() -> Iterator[io.StringIO]:
+    """What accutrain logs (INFO and up) while the block runs."""
+    logger, stream = logging.getLogger("accutrain"), io.StringIO()
+    handler, level = logging.StreamHandler(stream), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def train_here(tmp_path: Path, name: str, *args: str) -> tuple[Path, str]:
+    """Train in this process as `accutrain *args hydra.run.dir=tmp_path/name` would (the CLI adds status.json and
+    loss.png): (the run directory, what the run logged)."""
+    run_dir = tmp_path / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with captured_log() as log:
+        train(compose_config(*args), run_dir)
+    return run_dir, log.getvalue()
 
 
 def cli_command(script: str = "accutrain") -> list[str]:
@@ -27,7 +76,7 @@ def cli_command(script: str = "accutrain") -> list[str]:
 
 def run_cli(*args: str, cwd: Path, script: str = "accutrain", check: bool = True,
             env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD, **(env or {})}
     proc = subprocess.run([*cli_command(script), *args], cwd=cwd, capture_output=True, text=True, env=environment,
                           timeout=timeout)
     if check and proc.returncode != 0:
@@ -51,6 +100,12 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
     """A user error: non-zero exit, no traceback, and one error line that names what went wrong."""
     assert proc.returncode != 0, proc.stdout + proc.stderr
@@ -60,3 +115,14 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
     assert len(errors) == 1, output
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
+
+
+def assert_one_line_user_error(error: BaseException, *fragments: str) -> None:
+    """A UserError raised in this process reads as the one line the CLI would print."""
+    from accutrain.errors import UserError, one_line
+
+    assert isinstance(error, UserError), repr(error)
+    line = one_line(error)
+    assert "\n" not in str(error).strip() or "Original Traceback" in str(error), str(error)
+    for fragment in fragments:
+        assert fragment in line, line

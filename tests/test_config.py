@@ -1,23 +1,15 @@
 """The typed config: composes with Hydra's compose API, refuses unknown keys and wrong types by name."""
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from accutrain.cli import config_dir
-from accutrain.config import LastWindow, register_schemas, validate
+from accutrain.config import LastWindow, config_dir
 from accutrain.errors import UserError
-
-register_schemas()
-
-
-def make(*overrides: str):
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+from accutrain.validate import validate
 
 
-def test_default_config_composes_and_validates():
-    cfg = make()
+def test_default_config_composes_and_validates(compose):
+    cfg = compose()
     validate(cfg)
     assert cfg.model.name == "resnet18" and cfg.data._target_ == "accutrain.data.digits"
     assert (cfg.micro_batch, cfg.accum, cfg.devices, cfg.global_batch) == (32, None, 1, None)
@@ -25,16 +17,16 @@ def test_default_config_composes_and_validates():
 
 
 @pytest.mark.parametrize("group", ["model", "data", "optim", "sched"])
-def test_every_option_of_every_group_composes(group):
+def test_every_option_of_every_group_composes(compose, group):
     options = sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
     assert options
     for option in options:
-        cfg = make(f"{group}={option}")
+        cfg = compose(f"{group}={option}")
         assert "_target_" in cfg[group].keys(), option
 
 
-def test_group_options_are_typed():
-    cfg = make("model=mlp", "optim=adamw")
+def test_group_options_are_typed(compose):
+    cfg = compose("model=mlp", "optim=adamw")
     assert OmegaConf.get_type(cfg.model).__name__ == "MLPModel"
     assert OmegaConf.get_type(cfg.optim).__name__ == "AdamWOptim"
 
@@ -47,10 +39,10 @@ def test_group_options_are_typed():
     ("trainer.last_window=sometimes", "expected one of [step, drop]"),
     ("seed=x", "seed"),
 ])
-def test_unknown_keys_and_wrong_types_are_refused_by_name(override, fragment):
+def test_unknown_keys_and_wrong_types_are_refused_by_name(compose, override, fragment):
     overrides = ["model=mlp", override] if override.startswith("model.") else [override]
     with pytest.raises(ConfigCompositionException) as info:
-        make(*overrides)
+        compose(*overrides)
     assert fragment in str(info.value) + str(info.value.__cause__)
 
 
@@ -69,13 +61,13 @@ def test_unknown_keys_and_wrong_types_are_refused_by_name(override, fragment):
     (["model=torchvision"], "model.name must be set"),
     (["data=imagefolder"], "data.root must be set"),
 ])
-def test_values_a_type_cannot_check(overrides, message):
+def test_values_a_type_cannot_check(compose, overrides, message):
     with pytest.raises(UserError) as info:
-        validate(make(*overrides))
+        validate(compose(*overrides))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
 
-def test_synthetic_seed_follows_the_run_seed_unless_set():
-    assert make("data=synthetic", "seed=7").data.seed == 7
-    assert make("data=synthetic", "seed=7", "data.seed=3").data.seed == 3
+def test_synthetic_seed_follows_the_run_seed_unless_set(compose):
+    assert compose("data=synthetic", "seed=7").data.seed == 7
+    assert compose("data=synthetic", "seed=7", "data.seed=3").data.seed == 3

@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, final_weights, read_metrics, train_run
-from test_cli import assert_same_weights
+from accutrain.errors import UserError
+from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
+                      final_weights, read_metrics, run_cli, train_here, train_run)
 
 # 117 samples = 3 windows of 32 + one of 21. With devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0: in the
 # last micro-step rank 0 has 5 samples and rank 1 none, and the all-reduce must neither hang nor be biased.
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_equal_one_device_and_the_big_batch(tmp_path):
-    two, _ = train_run(tmp_path, "two", *UNEVEN, "devices=2", "micro_batch=8", "accum=2")
-    one, _ = train_run(tmp_path, "one", *UNEVEN, "micro_batch=8", "accum=4")
-    big, _ = train_run(tmp_path, "big", *UNEVEN, "micro_batch=32", "accum=1")
+    two, _ = train_here(tmp_path, "two", *UNEVEN, "devices=2", "micro_batch=8", "accum=2")
+    one, _ = train_here(tmp_path, "one", *UNEVEN, "micro_batch=8", "accum=4")
+    big, _ = train_here(tmp_path, "big", *UNEVEN, "micro_batch=32", "accum=1")
     assert_same_weights(final_weights(two), final_weights(big))
     assert_same_weights(final_weights(one), final_weights(big))
     steps = read_metrics(two)[0]  # rank 0 alone writes: one record per optimizer step
@@ -32,8 +33,8 @@ def test_two_ranks_equal_one_device_and_the_big_batch(tmp_path):
 
 @pytest.mark.parametrize("accum", [1, 4])
 def test_one_gradient_all_reduce_per_optimizer_step(tmp_path, accum):
-    run_dir, _ = train_run(tmp_path, f"accum{accum}", *UNEVEN, "devices=2", "micro_batch=4", f"accum={accum}",
-                           "trainer.epochs=1")
+    run_dir, _ = train_here(tmp_path, f"accum{accum}", *UNEVEN, "devices=2", "micro_batch=4", f"accum={accum}",
+                            "trainer.epochs=1")
     steps = read_metrics(run_dir)[0]
     param_bytes = sum(t.numel() * t.element_size() for t in final_weights(run_dir).values())
     assert [r["grad_syncs"] for r in steps] == [1] * len(steps)
@@ -55,7 +56,7 @@ def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
         "                raise RuntimeError('boom on rank 1')\n"
         "        return self.fc(x.flatten(1))\n")
     start = time.monotonic()
-    _, proc = train_run(tmp_path, "boom", *TINY[2:], "model=custom", "model._target_=boom.Net", "devices=2",
+    _, proc = train_run(tmp_path, "boom", *TINY_DATA, "model=custom", "model._target_=boom.Net", "devices=2",
                         "micro_batch=4", "accum=2", check=False)
     assert proc.returncode != 0
     assert "rank 1 of 2 failed (RuntimeError: boom on rank 1); every rank stopped" in proc.stderr
@@ -72,19 +73,19 @@ def test_a_user_error_on_the_ranks_is_one_line(tmp_path):
 def test_devices_auto_is_one_process_on_a_cpu_machine(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    _, proc = train_run(tmp_path, "auto", *TINY, "data.size=40", "devices=auto", "trainer.max_steps=1")
-    assert "× devices 1" in proc.stderr and "launching" not in proc.stderr
+    _, log = train_here(tmp_path, "auto", *TINY, "data.size=40", "devices=auto", "trainer.max_steps=1")
+    assert "× devices 1" in log and "launching" not in log
 
 
 def test_sync_batchnorm_on_the_cpu_is_refused_plainly(tmp_path):
-    _, proc = train_run(tmp_path, "sbn", "data=synthetic", "data.size=40", "data.image_size=8", "devices=2",
-                        "model.sync_batchnorm=true", "trainer.max_steps=1", check=False)
-    assert_one_line_error(proc, "model.sync_batchnorm=true needs CUDA")
+    with pytest.raises(UserError) as info:
+        train_here(tmp_path, "sbn", "debug=fast", "model=resnet18", "data.size=40", "devices=2",
+                   "model.sync_batchnorm=true", "trainer.max_steps=1")
+    assert_one_line_user_error(info.value, "model.sync_batchnorm=true needs CUDA")
 
 
 def test_multirun_jobs_launch_their_own_workers(tmp_path):
     """A sweep over devices at a fixed global batch: every job takes the same steps."""
-    from conftest import run_cli
     run_cli("-m", *UNEVEN, "trainer.epochs=1", "devices=1,2", "micro_batch=8", "global_batch=32",
             f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     jobs = [tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"]

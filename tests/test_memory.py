@@ -3,19 +3,20 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch import nn
 
-from accutrain.cli import config_dir
-from accutrain.config import register_schemas
+from accutrain.auto_batch import search_micro_batch
+from accutrain.build import build
+from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.memory import GradBuffers, enable_activation_checkpointing, search_micro_batch
+from accutrain.loop import fit
+from accutrain.memory import GradBuffers, enable_activation_checkpointing
 from accutrain.metrics import MetricsLog
+from accutrain.progress import Progress
 from accutrain.signals import StopRequest
-from accutrain.resume import Progress
-from accutrain.train import fit, setup
-from conftest import TINY, assert_one_line_error, final_weights, read_metrics, train_run
-from test_cli import EXACT, assert_same_weights
+from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
+                      train_here)
+from test_exact import EXACT, WINDOWS
 
 OOM_MODEL = '''
 import torch
@@ -35,7 +36,7 @@ class Net(nn.Module):
         return self.net(x)
 '''
 # The same network as accutrain's mlp with hidden=[32]: plain runs of the two take the same steps.
-OOM = [*TINY[2:], "data.size=117", "trainer.epochs=2", "model=custom", "model._target_=oommodel.Net",
+OOM = [*TINY_DATA, "data.size=117", "trainer.epochs=2", "model=custom", "model._target_=oommodel.Net",
        "optim.weight_decay=1e-3"]
 
 
@@ -46,25 +47,22 @@ def close(a, b, rtol):
 
 @pytest.mark.parametrize("precision, rtol", [("bf16-mixed", 2e-2), ("16-mixed", 2e-3)])
 def test_mixed_precision_keeps_the_accumulation_equivalence(tmp_path, precision, rtol):
-    acc, _ = train_run(tmp_path, "acc", *EXACT, f"trainer.precision={precision}", "micro_batch=8", "accum=4")
-    big, _ = train_run(tmp_path, "big", *EXACT, f"trainer.precision={precision}", "micro_batch=32")
+    acc, _ = train_here(tmp_path, "acc", *EXACT, f"trainer.precision={precision}", "micro_batch=8", "accum=4")
+    big, _ = train_here(tmp_path, "big", *EXACT, f"trainer.precision={precision}", "micro_batch=32")
     close(final_weights(acc), final_weights(big), rtol)
-    fp32, _ = train_run(tmp_path, "fp32", *EXACT, "micro_batch=32")
+    fp32, _ = train_here(tmp_path, "fp32", *EXACT, "micro_batch=32")
     assert any(not torch.equal(final_weights(big)[k], final_weights(fp32)[k]) for k in final_weights(fp32))
     if precision == "16-mixed":
         steps = read_metrics(acc)[0]
         assert all(r["amp_scale"] == 65536.0 for r in steps)  # no overflow in this run: every step taken
 
 
-def compose_run(*overrides):
-    register_schemas()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=[*TINY, "trainer.device=cpu", *overrides])
+def built(compose, *overrides):
+    return build(compose(*TINY, *overrides), World(), torch.device("cpu"))
 
 
-def test_grad_scaler_acts_once_per_optimizer_step(tmp_path):
-    r = setup(compose_run("data.size=100", "micro_batch=5", "accum=4", "trainer.epochs=1",
-                          "trainer.precision=16-mixed"))
+def test_grad_scaler_acts_once_per_optimizer_step(tmp_path, compose):
+    r = built(compose, "data.size=100", "micro_batch=5", "accum=4", "trainer.epochs=1", "trainer.precision=16-mixed")
     calls = {"scale": 0, "unscale_": 0, "step": 0, "update": 0}
     scaler = r.precision.scaler
     for name in calls:
@@ -83,9 +81,9 @@ def test_grad_scaler_acts_once_per_optimizer_step(tmp_path):
     assert calls == {"scale": 20, "unscale_": 5, "step": 5, "update": 5}  # scale per micro-batch, the rest per step
 
 
-def test_amp_overflow_skips_the_optimizer_and_scheduler_step(tmp_path):
-    r = setup(compose_run("data.size=40", "micro_batch=5", "accum=2", "trainer.max_steps=16",
-                          "trainer.precision=16-mixed", "sched=cosine"))
+def test_amp_overflow_skips_the_optimizer_and_scheduler_step(tmp_path, compose):
+    r = built(compose, "data.size=40", "micro_batch=5", "accum=2", "trainer.epochs=5", "trainer.max_steps=16",
+              "trainer.precision=16-mixed", "sched=cosine")
     r.precision.scaler._init_scale = 2.0 ** 30  # fp16 gradients overflow at this scale until it has come down
     before = [p.detach().clone() for p in r.model.parameters()]
     lrs = []
@@ -119,8 +117,7 @@ def test_fp32_buffers_accumulate_half_precision_gradients_more_exactly():
         if buffers:
             assert all(b.dtype == torch.float32 for b in buffers.buffers.values())
             buffers.release()
-            for handle in buffers.handles:
-                handle.remove()
+            buffers.remove()
         return layer.weight.grad.double()
 
     in_bf16 = (accumulated(None) - exact).norm() / exact.norm()
@@ -146,19 +143,19 @@ def test_offload_buffers_give_the_plain_gradient():
 
 
 def test_bf16_true_with_fp32_accumulation_trains(tmp_path):
-    run_dir, proc = train_run(tmp_path, "run", *EXACT, "trainer.precision=bf16-true", "trainer.accum_dtype=float32",
+    run_dir, log = train_here(tmp_path, "run", *EXACT, "trainer.precision=bf16-true", "trainer.accum_dtype=float32",
                               "micro_batch=4", "accum=8")
-    assert "gradients accumulate in float32 buffers" in proc.stderr
+    assert "gradients accumulate in float32 buffers" in log
     assert all(t.dtype == torch.bfloat16 for t in final_weights(run_dir).values())
 
 
-@pytest.mark.parametrize("model", [["model=mlp", "model.hidden=[32,32]"], ["model=cnn", "data.image_size=8"],
-                                   ["model=resnet18", "data.image_size=8", "data.size=40", "trainer.epochs=1"]])
+@pytest.mark.parametrize("model", [["model=mlp", "model.hidden=[32,32]"], ["model=cnn"],
+                                   ["model=resnet18", "data.size=40", "trainer.epochs=1"]])
 def test_activation_checkpointing_gives_the_same_weights(tmp_path, model):
-    args = [*EXACT[2:], *model, "micro_batch=8", "accum=4"]
-    plain, _ = train_run(tmp_path, "plain", *args)
-    ckpt, proc = train_run(tmp_path, "ckpt", *args, "trainer.activation_checkpointing=true")
-    assert "recompute their activations in backward" in proc.stderr
+    args = [*TINY_DATA, *WINDOWS, *model, "micro_batch=8", "accum=4"]
+    plain, _ = train_here(tmp_path, "plain", *args)
+    ckpt, log = train_here(tmp_path, "ckpt", *args, "trainer.activation_checkpointing=true")
+    assert "recompute their activations in backward" in log
     a, b = final_weights(plain), final_weights(ckpt)
     assert a.keys() == b.keys()  # parameter names unchanged: checkpoints interchange
     for key in a:  # BatchNorm running statistics included: the recomputation must not update them twice
@@ -170,43 +167,44 @@ def test_activation_checkpointing_says_when_there_is_nothing_to_wrap():
 
 
 def test_offload_on_the_cpu_says_it_does_nothing(tmp_path):
-    plain, _ = train_run(tmp_path, "plain", *EXACT, "micro_batch=8", "accum=4")
-    off, proc = train_run(tmp_path, "off", *EXACT, "micro_batch=8", "accum=4", "trainer.offload_grads=true")
-    assert "trainer.offload_grads=true does nothing on the CPU" in proc.stderr
+    plain, _ = train_here(tmp_path, "plain", *EXACT, "micro_batch=8", "accum=4")
+    off, log = train_here(tmp_path, "off", *EXACT, "micro_batch=8", "accum=4", "trainer.offload_grads=true")
+    assert "trainer.offload_grads=true does nothing on the CPU" in log
     assert_same_weights(final_weights(off), final_weights(plain))
 
 
 def test_peak_memory_per_step_and_in_the_summary(tmp_path):
-    run_dir, proc = train_run(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
+    run_dir, log = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
     assert all(r["peak_mem_mb"] > 10 for r in read_metrics(run_dir)[0])
-    assert "peak memory" in proc.stderr
+    assert "peak memory" in log
 
 
 @pytest.fixture
-def oom_model(tmp_path):
+def oom_model(tmp_path, monkeypatch):
     (tmp_path / "oommodel.py").write_text(OOM_MODEL)
+    monkeypatch.syspath_prepend(tmp_path)
     return tmp_path
 
 
 def test_auto_micro_batch_finds_the_largest_that_fits_and_caches_it(oom_model):
-    auto, proc = train_run(oom_model, "runs/auto", *OOM, "micro_batch=auto", "global_batch=32",
+    auto, log = train_here(oom_model, "runs/auto", *OOM, "micro_batch=auto", "global_batch=32",
                            "trainer.memory_budget_mb=1000000")
-    assert "16: does not fit" in proc.stderr
-    assert "effective batch 32 = micro_batch 8 × accum 4 × devices 1" in proc.stderr
-    plain, _ = train_run(oom_model, "plain", *OOM, "micro_batch=8", "accum=4")
+    assert "16: does not fit" in log
+    assert "effective batch 32 = micro_batch 8 × accum 4 × devices 1" in log
+    plain, _ = train_here(oom_model, "plain", *OOM, "micro_batch=8", "accum=4")
     assert_same_weights(final_weights(auto), final_weights(plain))  # the trials left no trace
     cache = json.loads((oom_model / "runs" / "micro_batch_auto.json").read_text())
     assert [entry["micro_batch"] for entry in cache.values()] == [8]
-    _, again = train_run(oom_model, "runs/again", *OOM, "micro_batch=auto", "global_batch=32",
-                         "trainer.memory_budget_mb=1000000")
-    assert "micro_batch=auto: 8, cached in" in again.stderr and "trial steps" not in again.stderr
+    _, again = train_here(oom_model, "runs/again", *OOM, "micro_batch=auto", "global_batch=32",
+                          "trainer.memory_budget_mb=1000000")
+    assert "micro_batch=auto: 8, cached in" in again and "trial steps" not in again
 
 
 def test_out_of_memory_mid_run_resplits_the_window_exactly(oom_model):
-    resplit, proc = train_run(oom_model, "resplit", *OOM, "micro_batch=32", "accum=1")
-    assert "re-split into 4 micro-batches of at most 8; the effective batch stays 32" in proc.stderr
+    resplit, log = train_here(oom_model, "resplit", *OOM, "micro_batch=32", "accum=1")
+    assert "re-split into 4 micro-batches of at most 8; the effective batch stays 32" in log
     assert [r["samples"] for r in read_metrics(resplit)[0]] == [32, 32, 32, 21] * 2
-    plain, _ = train_run(oom_model, "plain", *OOM, "micro_batch=32", "accum=1", "+model.limit=1000")
+    plain, _ = train_here(oom_model, "plain", *OOM, "micro_batch=32", "accum=1", "+model.limit=1000")
     assert_same_weights(final_weights(resplit), final_weights(plain))
 
 
@@ -232,5 +230,6 @@ def test_auto_search_stops_at_the_budget():
     (["trainer.precision=8-mixed"], "trainer.precision=8-mixed is not valid"),
 ])
 def test_memory_errors_are_one_line(tmp_path, args, fragment):
-    _, proc = train_run(tmp_path, "err", *TINY, "data.size=40", *args, check=False)
-    assert_one_line_error(proc, fragment)
+    with pytest.raises(UserError) as info:
+        train_here(tmp_path, "err", *TINY, "data.size=40", *args)
+    assert_one_line_user_error(info.value, fragment)

@@ -19,12 +19,12 @@ def test_effective_batch_is_the_product():
 
 def test_incomplete_last_window_is_a_step_by_default():
     p = plan()  # 110 = 3 × 32 + 14
-    assert (p.tail, p.steps_per_epoch, p.total_steps, p.samples_per_epoch) == (14, 4, 8, 110)
+    assert (p.tail, p.steps_per_epoch, p.total_steps) == (14, 4, 8)
 
 
 def test_drop_policy_drops_the_tail_and_its_step():
     p = plan(last_window=LastWindow.drop)
-    assert (p.steps_per_epoch, p.total_steps, p.samples_per_epoch) == (3, 6, 96)
+    assert (p.steps_per_epoch, p.total_steps, p.steps_per_epoch * p.effective) == (3, 6, 96)
 
 
 def test_windows_that_tile_the_epoch_have_no_tail():

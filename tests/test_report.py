@@ -10,9 +10,9 @@ import sys
 import pytest
 from PIL import Image
 
-from accutrain import report
+from accutrain import report, runs
 from accutrain.errors import UserError
-from accutrain.run_status import current_state, one_line, recorded, write_status
+from accutrain.run_status import add_to_status, current_state, one_line, recorded, write_status
 from conftest import TINY, assert_one_line_error, read_metrics, run_cli, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=4", "accum=2", "trainer.max_steps=4", "trainer.eval_every=2"]
@@ -124,24 +124,26 @@ def fake_run(run_dir, steps, state="completed", overrides=("micro_batch=8",), ex
     run_dir.mkdir(parents=True)
     (run_dir / ".hydra").mkdir()
     (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    (run_dir / "train.log").write_text("[t][INFO] effective batch 32 = micro_batch 8 × accum 4 × devices 1\n")
-    lines = [json.dumps(dict(step=i + 1, loss=1.0 / (i + 1), samples=32, samples_seen=32 * (i + 1),
-                             samples_per_s=100.0 + i, **(extra(i) if extra else {}))) for i in range(steps)]
+    plan = dict(effective=32, micro_batch=8, accum=4, devices=1)
+    lines = [json.dumps(dict(plan=plan))] + [
+        json.dumps(dict(step=i + 1, loss=1.0 / (i + 1), samples=32, samples_seen=32 * (i + 1),
+                        samples_per_s=100.0 + i, **(extra(i) if extra else {}))) for i in range(steps)]
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     write_status(run_dir, "running")
+    add_to_status(run_dir, plan=plan)
     if state != "running":
         write_status(run_dir, state)
     return run_dir
 
 
 def test_peak_memory_is_the_largest_recorded_and_missing_otherwise(tmp_path):
-    with_mem = report.read_run(fake_run(tmp_path / "a", 3, extra=lambda i: dict(peak_mem_mb=[500.0, 900.4, 700][i])),
+    with_mem = runs.read_run(fake_run(tmp_path / "a", 3, extra=lambda i: dict(peak_mem_mb=[500.0, 900.4, 700][i])),
                                "a")
-    without = report.read_run(fake_run(tmp_path / "b", 3), "b")
+    without = runs.read_run(fake_run(tmp_path / "b", 3), "b")
     assert with_mem.peak_mem_mb == 900.4 and without.peak_mem_mb is None
     cells = report.table_cells([with_mem, without])
     assert cells[0][9] == "900"
-    assert cells[1][9] == report.MISSING_VALUE
+    assert cells[1][9] == runs.MISSING_VALUE
     assert (with_mem.effective, with_mem.micro_batch, with_mem.accum, with_mem.devices) == (32, 8, 4, 1)
     assert with_mem.samples_per_s == 101.0  # the median over steps
 
@@ -150,7 +152,7 @@ def test_metrics_reader_skips_a_truncated_line_and_keeps_the_latest_record_of_a_
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 2, "loss": 1.4}\n'
                     '{"step": 2, "val_loss": 1.3, "val_acc": 0.5}\n{"step": 3, "lo')
-    steps, evals = report.read_metrics(path)
+    steps, evals = runs.read_metrics(path)
     assert [(r["step"], r["loss"]) for r in steps] == [(1, 2.0), (2, 1.4)]
     assert [e["val_acc"] for e in evals] == [0.5]
 
@@ -160,9 +162,9 @@ def test_find_runs_orders_jobs_naturally_and_skips_hidden_folders(tmp_path):
         fake_run(tmp_path / "sweep" / job, 1)
     (tmp_path / "sweep" / ".submitit" / "123").mkdir(parents=True)
     (tmp_path / "sweep" / ".submitit" / "123" / "status.json").write_text("{}")
-    runs = report.find_runs(tmp_path / "sweep")
-    assert [p.name for p in runs] == ["1", "2", "10"]
-    assert report.find_runs(tmp_path / "sweep" / "2") == [tmp_path / "sweep" / "2"]
+    found = runs.find_runs(tmp_path / "sweep")
+    assert [p.name for p in found] == ["1", "2", "10"]
+    assert runs.find_runs(tmp_path / "sweep" / "2") == [tmp_path / "sweep" / "2"]
 
 
 def test_states():

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, cli_command, final_weights, read_metrics, run_cli, train_run
+from accutrain.errors import UserError
+from conftest import (ONE_THREAD, TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, cli_command, final_weights,
+                      read_metrics, run_cli, train_here, train_run)
 
 # A model that sleeps in forward (numerics untouched) so that a kill can land at a chosen optimizer step, and
 # dropout so that an RNG state not restored would show.
@@ -30,20 +32,21 @@ class Net(nn.Module):
         return self.net(x)
 """
 
-RUN = [*TINY[2:], "model=custom", "model._target_=slow.Net", "data.size=117", "trainer.epochs=3",
+RUN = [*TINY_DATA, "model=custom", "model._target_=slow.Net", "data.size=117", "trainer.epochs=3",
        "micro_batch=8", "accum=4", "trainer.checkpoint_every=1", "optim=adamw"]
 
 
 @pytest.fixture
-def slow(tmp_path):
+def slow(tmp_path, monkeypatch):
     (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    monkeypatch.syspath_prepend(tmp_path)  # for the runs in this process; the CLI imports from its working directory
     return tmp_path
 
 
 def start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
 
 
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -87,7 +90,7 @@ def test_killed_and_resumed_run_ends_bit_identical(slow, how):
 
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
-    big = [*TINY[2:], "model=mlp", "model.hidden=[1024,1024]", "data.image_size=16", "data.size=130",
+    big = [*TINY_DATA, "model.hidden=[1024,1024]", "data.image_size=16", "data.size=130",
            "trainer.epochs=2", "micro_batch=16", "accum=2", "trainer.checkpoint_every=1"]
     reference, _ = train_run(tmp_path, "reference", *big)
     proc = start(tmp_path, "killed", *big)
@@ -127,40 +130,38 @@ def rewind(run_dir: Path, step: int) -> Path:
     return ckpts
 
 
-@pytest.mark.slow
 def test_resume_auto_falls_back_past_a_corrupt_checkpoint(slow):
-    reference, _ = train_run(slow, "reference", *RUN)
-    train_run(slow, "run", *RUN, "trainer.keep_checkpoints=20")
+    reference, _ = train_here(slow, "reference", *RUN)
+    train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")
     ckpts = rewind(slow / "run", 5)
     bad = ckpts / "step-00000006.pt"  # a newer file cut short: the run must not trust it
     good = ckpts / "step-00000005.pt"
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    resumed, proc = train_run(slow, "run", *RUN, "resume=auto")
-    assert "step-00000006.pt is truncated or corrupt" in proc.stderr
-    assert "falling back to the previous checkpoint (step-00000005.pt)" in proc.stderr
-    assert "resumed from" in proc.stderr and "at optimizer step 5" in proc.stderr
+    resumed, log = train_here(slow, "run", *RUN, "resume=auto")
+    assert "step-00000006.pt is truncated or corrupt" in log
+    assert "falling back to the previous checkpoint (step-00000005.pt)" in log
+    assert "resumed from" in log and "at optimizer step 5" in log
     assert_identical(final_weights(resumed), final_weights(reference))
 
 
-@pytest.mark.slow
 def test_resume_with_another_split_of_the_same_effective_batch(slow):
-    reference, _ = train_run(slow, "reference", *RUN)
-    train_run(slow, "run", *RUN, "trainer.keep_checkpoints=20")
+    reference, _ = train_here(slow, "reference", *RUN)
+    train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")
     rewind(slow / "run", 5)
-    resumed, proc = train_run(slow, "run", *RUN, "micro_batch=4", "accum=8", "resume=auto")
-    assert "resuming with micro_batch 4 × accum 8 × devices 1 (the checkpoint's run used 8 × 4 × 1)" in proc.stderr
+    resumed, log = train_here(slow, "run", *RUN, "micro_batch=4", "accum=8", "resume=auto")
+    assert "resuming with micro_batch 4 × accum 8 × devices 1 (the checkpoint's run used 8 × 4 × 1)" in log
     for key, value in final_weights(reference).items():  # same windows; only the float summation order differs
         torch.testing.assert_close(final_weights(resumed)[key], value, rtol=1e-5, atol=1e-6)
 
 
 def test_resume_auto_without_a_checkpoint_starts_from_scratch(tmp_path):
-    _, proc = train_run(tmp_path, "fresh", *TINY, "data.size=40", "trainer.max_steps=2", "resume=auto")
-    assert "no checkpoint" in proc.stderr and "starting from scratch" in proc.stderr
+    _, log = train_here(tmp_path, "fresh", *TINY, "data.size=40", "trainer.max_steps=2", "resume=auto")
+    assert "no checkpoint" in log and "starting from scratch" in log
 
 
 def test_checkpoints_rotate_and_last_is_the_newest(tmp_path):
-    run_dir, _ = train_run(tmp_path, "run", *TINY, "data.size=64", "micro_batch=8", "trainer.max_steps=7",
-                           "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2")
+    run_dir, _ = train_here(tmp_path, "run", *TINY, "data.size=64", "micro_batch=8", "trainer.max_steps=7",
+                            "trainer.checkpoint_every=2", "trainer.keep_checkpoints=2")
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == ["last.pt", "step-00000006.pt", "step-00000007.pt"]
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
@@ -173,35 +174,39 @@ class Exploit:
         return (os.system, (f"touch {Path(os.environ['EXPLOIT_MARKER'])}",))
 
 
+def refused(tmp_path, *args) -> UserError:
+    with pytest.raises(UserError) as info:
+        train_here(tmp_path, "refused", *args)
+    return info.value
+
+
 def test_a_checkpoint_carrying_pickled_code_is_refused_not_run(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
     monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
     evil = tmp_path / "evil.pt"
     torch.save({"format": 1, "model": {}, "payload": Exploit()}, evil)
-    _, proc = train_run(tmp_path, "run", *TINY, "data.size=40", f"resume={evil}", check=False)
-    assert_one_line_error(proc, "refusing to load", "evil.pt")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", f"resume={evil}"), "refusing to load",
+                               "evil.pt")
     assert not marker.exists()
 
 
 def test_truncated_checkpoint_is_one_line(tmp_path):
-    run_dir, _ = train_run(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
+    run_dir, _ = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
     last = run_dir / "checkpoints" / "last.pt"
     cut = tmp_path / "cut.pt"
     cut.write_bytes(last.read_bytes()[:1000])
-    _, proc = train_run(tmp_path, "again", *TINY, "data.size=40", f"resume={cut}", check=False)
-    assert_one_line_error(proc, "cut.pt is truncated or corrupt")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", f"resume={cut}"),
+                               "cut.pt is truncated or corrupt")
 
 
 def test_checkpoint_from_another_model_or_batch_is_refused(tmp_path):
-    run_dir, _ = train_run(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
-    _, proc = train_run(tmp_path, "other", *TINY, "model.hidden=[64]", "data.size=40", f"resume={run_dir}",
-                        check=False)
-    assert_one_line_error(proc, "was written for another model")
-    _, proc = train_run(tmp_path, "bigger", *TINY, "data.size=40", "micro_batch=16", f"resume={run_dir}",
-                        check=False)
-    assert_one_line_error(proc, "was trained with effective batch 32", "this run's is 16")
-    _, proc = train_run(tmp_path, "nowhere", *TINY, "resume=/nonexistent/last.pt", check=False)
-    assert_one_line_error(proc, "resume=/nonexistent/last.pt: no such checkpoint")
+    run_dir, _ = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "model.hidden=[64]", "data.size=40", f"resume={run_dir}"),
+                               "was written for another model")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", "micro_batch=16", f"resume={run_dir}"),
+                               "was trained with effective batch 32", "this run's is 16")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "resume=/nonexistent/last.pt"),
+                               "resume=/nonexistent/last.pt: no such checkpoint")
 
 
 NAN_DATA = """
@@ -217,26 +222,28 @@ def make(size=64, bad=(5,)):
 """
 
 
-def test_nonfinite_stop_names_the_step(tmp_path):
+@pytest.fixture
+def nan_data(tmp_path, monkeypatch):
     (tmp_path / "nandata.py").write_text(NAN_DATA)
-    run_dir, proc = train_run(tmp_path, "stop", "model=mlp", "data=custom", "data._target_=nandata.make",
-                              "micro_batch=8", "accum=2", "trainer.epochs=2", "trainer.checkpoint_every=1",
-                              "trainer.progress=false", check=False)
-    assert_one_line_error(proc, "non-finite loss at optimizer step", "trainer.on_nonfinite=skip")
-    for path in (run_dir / "checkpoints").glob("*.pt"):  # every checkpoint written holds finite weights
+    monkeypatch.syspath_prepend(tmp_path)
+    return ["model=mlp", "data=custom", "data._target_=nandata.make", "micro_batch=8", "accum=2", "trainer.epochs=2",
+            "trainer.progress=false"]
+
+
+def test_nonfinite_stop_names_the_step(tmp_path, nan_data):
+    error = refused(tmp_path, *nan_data, "trainer.checkpoint_every=1")
+    assert_one_line_user_error(error, "non-finite loss at optimizer step", "trainer.on_nonfinite=skip")
+    for path in (tmp_path / "refused" / "checkpoints").glob("*.pt"):  # every checkpoint written holds finite weights
         assert all(torch.isfinite(t).all() for t in torch.load(path, weights_only=True)["model"].values())
 
 
-def test_nonfinite_skip_drops_the_window_and_counts_it(tmp_path):
-    (tmp_path / "nandata.py").write_text(NAN_DATA)
-    run_dir, proc = train_run(tmp_path, "skip", "model=mlp", "data=custom", "data._target_=nandata.make",
-                              "micro_batch=8", "accum=2", "trainer.epochs=2", "trainer.on_nonfinite=skip",
-                              "trainer.progress=false")
+def test_nonfinite_skip_drops_the_window_and_counts_it(tmp_path, nan_data):
+    run_dir, log = train_here(tmp_path, "skip", *nan_data, "trainer.on_nonfinite=skip")
     steps = read_metrics(run_dir)[0]
     skipped = [r for r in steps if r.get("skipped")]
     assert len(skipped) == 2 and len(steps) == 8  # the poisoned window, once per epoch
     assert all(r["loss"] is None for r in skipped)
-    assert "2 non-finite windows skipped" in proc.stderr
+    assert "2 non-finite windows skipped" in log
     assert all(torch.isfinite(t).all() for t in final_weights(run_dir).values())
 
 
@@ -245,11 +252,11 @@ def test_a_corrupt_image_is_named(tmp_path):
     root = make_image_folder(tmp_path / "images")
     broken = root / "train" / "dog" / "3.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n this is not a picture")
-    for workers in (0, 2):
-        _, proc = train_run(tmp_path, f"w{workers}", "model=cnn", "data=imagefolder", f"data.root={root}",
-                            "data.image_size=8", f"data.num_workers={workers}", "micro_batch=4", "trainer.epochs=1",
-                            check=False)
-        assert_one_line_error(proc, f"cannot read image {broken}")
+    args = ["model=cnn", "data=imagefolder", f"data.root={root}", "data.image_size=8", "micro_batch=4",
+            "trainer.epochs=1"]
+    assert_one_line_user_error(refused(tmp_path, *args, "data.num_workers=0"), f"cannot read image {broken}")
+    _, proc = train_run(tmp_path, "w2", *args, "data.num_workers=2", check=False)  # raised in a loader worker
+    assert_one_line_error(proc, f"cannot read image {broken}")
 
 
 def test_an_unwritable_output_directory_is_one_line(tmp_path):

@@ -29,7 +29,7 @@ def test_accumulated_gradient_equals_big_batch_on_a_short_tail():
     expected = big_batch_grad(model, x, y)
     model.zero_grad(set_to_none=True)
     chunks = list(zip(x.split(4), y.split(4)))
-    loss_sum = accumulate(model, chunks, normalizer=14, device=torch.device("cpu"))
+    loss_sum = accumulate(model, chunks, terms=14, device=torch.device("cpu"))
     for g, e in zip(grads(model), expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(loss_sum / 14, F.cross_entropy(model(x), y).detach(), rtol=1e-12, atol=1e-12)
@@ -53,7 +53,7 @@ def test_world_scale_undoes_ddp_averaging():
     per_rank = []
     for part_x, part_y in ((x[:7], y[:7]), (x[7:], y[7:])):  # uneven ranks: 7 and 3 samples
         model.zero_grad(set_to_none=True)
-        accumulate(model, [(part_x, part_y)], normalizer=10, device=torch.device("cpu"), world=2)
+        accumulate(model, [(part_x, part_y)], terms=10, device=torch.device("cpu"), world=2)
         per_rank.append(grads(model))
     for a, b, e in zip(*per_rank, expected):
         torch.testing.assert_close((a + b) / 2, e, rtol=1e-12, atol=1e-12)

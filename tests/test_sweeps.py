@@ -5,14 +5,10 @@ import json
 import shutil
 
 import pytest
-from hydra import compose, initialize_config_dir
 from PIL import Image
 
-from accutrain.cli import config_dir
-from accutrain.config import register_schemas
-from conftest import TINY, read_metrics, run_cli
-
-register_schemas()
+from accutrain.config import config_dir
+from conftest import TINY, TINY_DATA, read_metrics, run_cli
 
 # 40 samples, 3 optimizer steps per job: the sweep is about the summary, not the training.
 QUICK = [*TINY, "data.size=40", "trainer.max_steps=3"]
@@ -105,7 +101,8 @@ def test_a_crashing_job_is_recorded_as_failed_and_the_sweep_goes_on(tmp_path):
         "        if self.training:\n"
         "            raise RuntimeError('crashed in training')\n"
         "        return super().forward(x)\n")
-    proc = run_cli("-m", *QUICK[2:], "model=custom", "model._target_=mymodels.Crash,mymodels.Good",
+    proc = run_cli("-m", *TINY_DATA, *QUICK[len(TINY):], "model=custom",
+                   "model._target_=mymodels.Crash,mymodels.Good",
                    "micro_batch=4", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, check=False)
     assert proc.returncode == 1, proc.stderr
     rows = read_csv(tmp_path / "sweep" / "summary.csv")
@@ -116,7 +113,7 @@ def test_a_crashing_job_is_recorded_as_failed_and_the_sweep_goes_on(tmp_path):
 
     # a single run still ends as before (Hydra's traceback, exit 1), and records the failure
     single = tmp_path / "single"
-    proc = run_cli(*QUICK[2:], "model=custom", "model._target_=mymodels.Crash", "micro_batch=4",
+    proc = run_cli(*TINY_DATA, *QUICK[len(TINY):], "model=custom", "model._target_=mymodels.Crash", "micro_batch=4",
                    f"hydra.run.dir={single}", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "crashed in training" in proc.stderr
     record = json.loads((single / "status.json").read_text())
@@ -150,12 +147,12 @@ def test_accum_sweep_experiment_takes_the_same_steps_in_every_job(tmp_path):
     assert "| micro_batch=64 |" in proc.stdout
 
 
-def compose_with_hydra(*overrides):
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+@pytest.fixture
+def compose_with_hydra(compose):
+    return lambda *overrides: compose(*overrides, hydra=True)
 
 
-def test_every_experiment_composes_and_sweeps_something():
+def test_every_experiment_composes_and_sweeps_something(compose_with_hydra):
     experiments = sorted(p.stem for p in (config_dir() / "experiment").glob("*.yaml"))
     assert {"accum_sweep", "memory_sweep"} <= set(experiments)
     for name in experiments:
@@ -170,12 +167,12 @@ def test_every_experiment_composes_and_sweeps_something():
     assert batch.optim.lr_scaling.name == "linear" and batch.optim.base_batch == 32
 
 
-def test_sweep_summary_callback_is_configured():
+def test_sweep_summary_callback_is_configured(compose_with_hydra):
     cfg = compose_with_hydra()
     assert cfg.hydra.callbacks.sweep_summary._target_ == "accutrain.sweep.SweepSummary"
 
 
-def test_launcher_configs_compose():
+def test_launcher_configs_compose(compose_with_hydra):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     joblib = compose_with_hydra("hydra/launcher=joblib", "hydra.launcher.n_jobs=2").hydra.launcher

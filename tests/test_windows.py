@@ -1,7 +1,10 @@
 """The sampler: the seed alone decides which samples share a window, however the window is cut."""
+import pytest
+import torch
+
 from accutrain.config import LastWindow
 from accutrain.plan import make_plan
-from accutrain.windows import WindowSampler, epoch_order, split_window
+from accutrain.windows import WindowSampler, epoch_order, rank_share, window_loader, windows_of
 
 
 def windows(micro_batch, accum, devices=1, rank=0, n=110, seed=0, epoch=0, last_window=LastWindow.step):
@@ -13,7 +16,7 @@ def windows(micro_batch, accum, devices=1, rank=0, n=110, seed=0, epoch=0, last_
 
 
 def members(window_list):
-    return [sorted(i for mb in w.micro for i in mb) for w in window_list]
+    return [sorted(i for mb in w for i in mb) for w in window_list]
 
 
 def test_same_windows_whatever_the_split():
@@ -33,14 +36,14 @@ def test_windows_cover_the_epoch_once():
 
 def test_short_tail_is_split_in_micro_batches_never_padded():
     last = windows(8, 4)[-1]
-    assert last.size == 14
-    assert [len(mb) for mb in last.micro] == [8, 6]
-    assert [len(mb) for mb in windows(8, 4)[0].micro] == [8, 8, 8, 8]
+    assert last[0].window.size == 14 and last[0].window.sizes == (8, 6)
+    assert [len(mb) for mb in last] == [8, 6]
+    assert [len(mb) for mb in windows(8, 4)[0]] == [8, 8, 8, 8]
 
 
 def test_drop_policy_leaves_out_the_tail():
     ws = windows(8, 4, last_window=LastWindow.drop)
-    assert [w.size for w in ws] == [32, 32, 32]
+    assert [w[0].window.size for w in ws] == [32, 32, 32]
 
 
 def test_order_depends_on_seed_and_epoch():
@@ -49,9 +52,9 @@ def test_order_depends_on_seed_and_epoch():
     assert epoch_order(50, 3, 2).tolist() == epoch_order(50, 3, 2).tolist()
 
 
-def test_split_window_gives_every_rank_the_same_number_of_micro_steps():
+def test_rank_share_gives_every_rank_the_same_number_of_micro_steps():
     samples = list(range(13))  # a short window: micro-batches of 4 → 4, 4, 4, 1 over 3 ranks
-    parts = [split_window(samples, 4, r, 3) for r in range(3)]
+    parts = [rank_share(samples, 4, r, 3) for r in range(3)]
     assert [len(p) for p in parts] == [2, 2, 2]
     assert parts[0] == [[0, 1, 2, 3], [12]]
     assert parts[1] == [[4, 5, 6, 7], []]
@@ -64,6 +67,33 @@ def test_resume_position_skips_whole_windows():
     sampler = WindowSampler(plan, 0)
     sampler.set_epoch(0, start_window=2)
     rest = list(sampler.windows())
-    assert [w.index for w in rest] == [2, 3]
+    assert [w[0].window.index for w in rest] == [2, 3]
     assert members(rest) == members(windows(8, 4))[2:]
-    assert list(sampler) == [mb for w in rest for mb in w.micro]
+    assert list(sampler) == [mb for w in rest for mb in w]
+    assert len(sampler) == len(list(sampler))
+
+
+@pytest.mark.parametrize("n, micro_batch, accum, devices, start", [
+    (110, 8, 4, 1, 0), (110, 8, 2, 2, 0), (117, 8, 2, 2, 3), (117, 8, 2, 2, 4), (96, 8, 2, 2, 1), (5, 4, 2, 3, 0)])
+def test_length_counts_every_micro_batch_empty_ones_included(n, micro_batch, accum, devices, start):
+    plan = make_plan(micro_batch=micro_batch, accum=accum, devices=devices, global_batch=None, train_size=n,
+                     last_window=LastWindow.step, epochs=1, max_steps=None)
+    for rank in range(devices):
+        sampler = WindowSampler(plan, 0, rank, devices)
+        sampler.set_epoch(0, start_window=start)
+        assert len(sampler) == len(list(sampler))
+
+
+def test_the_loader_walks_the_sampler_once_and_groups_micro_batches_by_window():
+    """Rank 1 of 2 on 20 samples in windows of 16: its share of the short last window is empty, and still comes."""
+    data = torch.utils.data.TensorDataset(torch.arange(20.0)[:, None], torch.arange(20))
+    plan = make_plan(micro_batch=4, accum=2, devices=2, global_batch=None, train_size=20,
+                     last_window=LastWindow.step, epochs=1, max_steps=None)
+    sampler = WindowSampler(plan, 0, rank=1, world=2)
+    loader = window_loader(data, sampler, num_workers=0, pin_memory=False, generator=torch.Generator())
+    seen = [(window, [batch[1].tolist() for batch in batches]) for window, batches in windows_of(loader)]
+    expected = [[list(mb) for mb in w] for w in sampler.windows()]
+    assert [batches for _, batches in seen] == expected
+    assert [window.sizes for window, _ in seen] == [(4, 4), (0,)]  # the last window's 4 samples are rank 0's
+    assert seen[-1][1] == [[]]
+

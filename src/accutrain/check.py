@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
-from torch.utils.data import default_collate
 
 from accutrain import memory
-from accutrain.config import Normalize
+from accutrain.build import Components, build
+from accutrain.dist import World, count_devices, resolve_device
+from accutrain.norms import REMEDIES, batchnorm_layers
+from accutrain.plan import derive_accum
 from accutrain.precision import tolerance
-from accutrain.step import accumulate, count_terms, summed_cross_entropy
-from accutrain.windows import epoch_order
-
-REMEDIES = ("model.norm=group (GroupNorm: statistics per sample; model.norm_groups sets the groups), "
-            "model.norm=frozen (BatchNorm in eval mode with fixed statistics, for fine-tuning pretrained weights), "
-            "model.sync_batchnorm=true (statistics over every device's micro-batch, with devices > 1)")
+from accutrain.step import SummedLoss, accumulate, count_terms
+from accutrain.validate import validate
+from accutrain.windows import WindowSampler
 
 
 @dataclass
@@ -64,23 +64,35 @@ class Check:
         return out
 
 
-def window_batches(r: Any) -> list[tuple[torch.Tensor, ...]]:
+def components_for_check(cfg: DictConfig) -> Components:
+    """The run accutrain-check inspects: one process, every device's micro-batches of a window taken in turn."""
+    validate(cfg)
+    cfg = cfg.copy()
+    device = resolve_device(cfg.trainer.device)
+    devices = count_devices(cfg.devices, device.type)
+    if cfg.micro_batch != "auto":
+        cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
+        cfg.global_batch = None
+    cfg.devices = 1
+    return build(cfg, World(), device)
+
+
+def window_batches(c: Components) -> list[tuple[torch.Tensor, ...]]:
     """The run's first window (epoch 0), cut into micro-batches of the configured size, every device's share."""
-    plan, dataset = r.plan, r.loader.dataset
-    samples = epoch_order(plan.train_size, r.cfg.seed, 0)[: plan.effective].tolist()
-    chunks = [samples[i : i + plan.micro_batch] for i in range(0, len(samples), plan.micro_batch)]
-    return [tuple(default_collate([dataset[i] for i in chunk])) for chunk in chunks]
+    sampler = WindowSampler(c.plan, c.cfg.seed)  # rank 0 of 1: every device's micro-batches, in turn
+    sampler.set_epoch(0)
+    return [tuple(c.loader.dataset.__getitems__(micro_batch)[1]) for micro_batch in next(sampler.windows())]
 
 
-def _gradient(r: Any, model: nn.Module, micro: list, normalizer: int, device: torch.device, precision: Any,
-              loss: Any) -> dict[str, torch.Tensor]:
+def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
+              loss: SummedLoss) -> dict[str, torch.Tensor]:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.zero_grad(set_to_none=True)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(r.cfg.seed)  # both ways draw the same random numbers where they can
-        accumulate(model, micro, normalizer, device, precision=precision, loss=loss)
-    if r.buffers is not None and model is r.model:
-        r.buffers.release()
+        torch.manual_seed(c.cfg.seed)  # both ways draw the same random numbers where they can
+        accumulate(model, micro, terms, device, precision=precision, loss=loss)
+    if c.buffers is not None and model is c.model:
+        c.buffers.release()
     grads = {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     model.load_state_dict(state)
@@ -93,30 +105,27 @@ def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(diff / norm) if norm > 0 else float(diff)
 
 
-def run_check(r: Any) -> Check:
+def run_check(c: Components) -> Check:
     """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched."""
-    cfg, device = r.cfg, r.device
-    precision = dataclasses.replace(r.precision, scaler=None)  # a loss scale would only multiply both
-    elements = cfg.loss.normalize in (Normalize.elements, Normalize.tokens)
-    loss = functools.partial(summed_cross_entropy, ignore_index=cfg.loss.ignore_index)
-    micro = window_batches(r)
-    normalizer = count_terms(micro, elements, cfg.loss.ignore_index)
-    accumulated = _gradient(r, r.model, micro, normalizer, device, precision, loss)
+    device, loss = c.device, c.loss
+    precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
+    micro = window_batches(c)
+    accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
 
     big = [tuple(torch.cat(parts) for parts in zip(*micro))]
     per_element = big[0][1].dim() > 1
-    reference_normalizer = count_terms(big, per_element, cfg.loss.ignore_index)  # the big batch's mean
+    reference_terms = count_terms(big, per_element, loss.ignore_index)  # the big batch's mean
     try:
-        reference, where = _gradient(r, r.model, big, reference_normalizer, device, precision, loss), str(device)
+        reference, where = _gradient(c, c.model, big, reference_terms, device, precision, loss), str(device)
     except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU
         if not memory.is_oom(e):
             raise
         memory.free_memory(device)
-        cpu = copy.deepcopy(r.model).to("cpu", torch.float64)
+        cpu = copy.deepcopy(c.model).to("cpu", torch.float64)
         fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
                                    param_dtype=torch.float64)
-        reference = _gradient(r, cpu, [tuple(t.double() if t.is_floating_point() else t for t in big[0])],
-                              reference_normalizer, torch.device("cpu"), fp64, loss)
+        reference = _gradient(c, cpu, [tuple(t.double() if t.is_floating_point() else t for t in big[0])],
+                              reference_terms, torch.device("cpu"), fp64, loss)
         where = "the CPU in float64 (the window does not fit the device)"
 
     groups: dict[str, list[str]] = defaultdict(list)
@@ -125,9 +134,9 @@ def run_check(r: Any) -> Check:
     per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
                  for g, names in groups.items()}
     overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
-    check = Check(len(big[0][1]), r.plan.micro_batch, len(micro), precision.name, per_group, overall,
+    check = Check(len(big[0][1]), c.plan.micro_batch, len(micro), precision.name, per_group, overall,
                   tolerance(precision.name), where)
-    check.causes = causes(r.model, micro, big[0], r.plan.micro_batch, check, elements, per_element)
+    check.causes = causes(c.model, micro, big[0], c.plan.micro_batch, check, loss.elements, per_element)
     return check
 
 
@@ -145,7 +154,7 @@ def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: C
            per_element: bool) -> list[str]:
     """What in the model and loss makes (or could make) the accumulated step differ from the big batch's."""
     found = []
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    norms = [name for name, _ in batchnorm_layers(model, training_only=True)]
     if norms:
         found.append(f"{len(norms)} BatchNorm layers in training mode: each normalises a micro-batch of "
                      f"{micro_batch} samples with that micro-batch's statistics, not the window's {check.window}. "

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from accutrain.errors import UserError
+from accutrain.files import fsync_dir, write_atomic
 
 log = logging.getLogger("accutrain")
 
@@ -27,23 +28,9 @@ STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Write to a temporary file beside `path`, fsync it, then rename: a crash leaves the old file intact."""
+    """torch.save `state` to `path` atomically and durably: a crash leaves the old file intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(path, lambda f: torch.save(state, f), durable=True)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -89,7 +76,7 @@ class Rotation:
         except OSError:
             save_atomic(state, tmp)
         os.replace(tmp, last)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         for old in self.steps()[self.keep :]:
             old.unlink(missing_ok=True)
         return path

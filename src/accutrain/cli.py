@@ -13,23 +13,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from accutrain.config import register_schemas
+from accutrain.config import config_dir, register_schemas
 from accutrain.errors import Preempted, UserError, one_line
-from accutrain.plots import write_loss_plot
 from accutrain.run_status import recorded
 from accutrain.sweep import SweepSummary
 
 log = logging.getLogger("accutrain")
-
-
-def config_dir() -> Path:
-    """The configs: inside the package in a wheel, at the repository's top level in an editable install."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "configs", here.parent.parent / "configs"):
-        if (candidate / "train.yaml").is_file():
-            return candidate
-    raise RuntimeError(f"accutrain's configs are missing (looked in {here / 'configs'}): reinstall accutrain")
-
 
 register_schemas()
 
@@ -44,7 +33,8 @@ def _train(cfg: DictConfig) -> None:
     """One run. A single run ends a user error with exit 2; in a multirun a failing job (user error or crash) is
     recorded as failed in its status.json and the sweep goes on. A preempted run (SIGTERM/SIGINT) ends the
     command, after its checkpoint, with exit code 128 + the signal."""
-    from accutrain.train import run  # imported here so that `--help` and config errors stay fast
+    from accutrain.launch import train  # imported here so that `--help` and config errors stay fast
+    from accutrain.report import write_loss_plot
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -53,7 +43,7 @@ def _train(cfg: DictConfig) -> None:
     primary = not torchrun_secondary()  # one process records the run's status and plots its loss
     try:
         with recorded(run_dir) if primary else nullcontext():  # status.json: running, then how it ended
-            run(cfg, run_dir, log_config)
+            train(cfg, run_dir, log_config)
     except UserError as e:
         log.error(one_line(e))
         if not multirun:
@@ -75,11 +65,10 @@ def _train(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _check(cfg: DictConfig) -> None:
     """accutrain-check: exit 0 when the configured run's accumulation is faithful, 1 when not, 2 on a user error."""
-    from accutrain.check import run_check
-    from accutrain.train import setup_for_check
+    from accutrain.check import components_for_check, run_check
 
     try:
-        result = run_check(setup_for_check(cfg))
+        result = run_check(components_for_check(cfg))
     except UserError as e:
         print(f"accutrain-check: error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

@@ -1,19 +1,18 @@
-"""The typed config schema (dataclasses in Hydra's ConfigStore) and the checks Hydra cannot do.
+"""The typed config: schemas (dataclasses in Hydra's ConfigStore), where the yaml files live, and composing them.
 
 Every built-in group option (`configs/model/*.yaml`, …) starts from one of these schemas, so an unknown key
-or a wrong type is refused by name when Hydra composes the config, before anything runs.
+or a wrong type is refused by name when Hydra composes the config, before anything runs. The checks a type
+cannot express are in accutrain.validate.
 """
 from __future__ import annotations
 
 import enum
-import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from pathlib import Path
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, DictConfig, OmegaConf
-
-from accutrain.errors import UserError
+from omegaconf import II, MISSING, DictConfig
 
 
 class OnNonFinite(enum.Enum):
@@ -45,7 +44,7 @@ class LRScaling(enum.Enum):
 
 
 # --- model/ -------------------------------------------------------------------------------------------
-# `_target_` is the factory; every other key is a keyword argument of it, except those in MODEL_KEYS_NOT_ARGS.
+# `_target_` is the factory; every other key is a keyword argument of it, except those in OWN_KEYS["model"].
 @dataclass
 class ModelConfig:
     _target_: str = MISSING
@@ -246,6 +245,15 @@ SCHEMAS = {
 }
 
 
+# Keys of each group that accutrain applies itself; every other key is a keyword argument of the group's _target_.
+OWN_KEYS = {
+    "model": ("_target_", "sync_batchnorm", "norm", "norm_groups"),
+    "data": ("_target_", "num_workers"),
+    "optim": ("_target_", "lr_scaling", "base_batch"),
+    "sched": ("_target_",),
+}
+
+
 def register_schemas() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent); the yaml files name them in their defaults."""
     cs = ConfigStore.instance()
@@ -253,75 +261,21 @@ def register_schemas() -> None:
         cs.store(group=group, name=name, node=node)
 
 
-def load_target(key: str, target: str) -> Callable[..., Any]:
-    """The callable a `_target_` names (module.attribute); one clear line when it cannot be imported."""
-    parts = target.split(".")
-    first_error: Optional[ImportError] = None
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError as e:
-            first_error = first_error or e
-            continue
-        for j, attr in enumerate(parts[i:]):
-            if not hasattr(obj, attr):
-                raise UserError(f"{key}={target}: {'.'.join(parts[: i + j])} has no attribute {attr!r}")
-            obj = getattr(obj, attr)
-        if not callable(obj):
-            raise UserError(f"{key}={target} is not callable: expected a class or function")
-        return obj
-    raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
+def config_dir() -> Path:
+    """The configs: inside the package in a wheel, at the repository's top level in an editable install."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parent.parent / "configs"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise RuntimeError(f"accutrain's configs are missing (looked in {here / 'configs'}): reinstall accutrain")
 
 
-def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
-    """Refuse anything but a positive int (or one of `allow`) with one line naming key, value and what is valid."""
-    value = cfg[key]
-    if value in allow:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        valid = " or ".join(["a positive integer", *("null" if a is None else str(a) for a in allow)])
-        raise UserError(f"{key}={value!r} is not valid: expected {valid} (e.g. {key}=8)")
+def compose(*overrides: str, hydra: bool = False) -> DictConfig:
+    """The config `accutrain <overrides>` would run with, composed in this process (tests, scripts); with hydra=True
+    it includes the `hydra` node (launcher, sweeper, callbacks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
-
-def validate(cfg: DictConfig) -> None:
-    """The checks a type cannot express; batch arithmetic is checked by plan.make_plan."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise UserError(f"{', '.join(missing)} must be set: add {' '.join(k + '=…' for k in missing)} to the command")
-    positive_int(cfg, "micro_batch", allow=("auto",))
-    positive_int(cfg, "accum", allow=(None,))
-    positive_int(cfg, "global_batch", allow=(None,))
-    positive_int(cfg, "devices", allow=("auto",))
-    t = cfg.trainer
-    if t.epochs is None and t.max_steps is None:
-        raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
-    for key in ("epochs", "max_steps", "eval_every", "eval_batch", "checkpoint_every"):
-        if t[key] is not None and t[key] < 1:
-            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null")
-    for key in ("log_every", "keep_checkpoints"):
-        if t[key] < 1:
-            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer")
-    if t.grad_clip is not None and t.grad_clip <= 0:
-        raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
-    if cfg.micro_batch == "auto" and cfg.global_batch is None:
-        raise UserError("micro_batch=auto needs global_batch=N: the effective batch to keep while it finds the "
-                        "largest micro-batch that fits")
-    if cfg.micro_batch == "auto" and cfg.accum is not None:
-        raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
-    if t.accum_dtype not in (None, "float32"):
-        raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
-    if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
-        raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
-    if cfg.model.get("norm_groups", 1) < 1:
-        raise UserError(f"model.norm_groups={cfg.model.norm_groups} is not valid: expected a positive integer")
-    if cfg.data.num_workers < 0:
-        raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
-    if cfg.sched.warmup_steps < 0:
-        raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
-    if cfg.optim.lr <= 0:
-        raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")
-    if cfg.optim.base_batch is not None and cfg.optim.base_batch < 1:
-        raise UserError(f"optim.base_batch={cfg.optim.base_batch} is not valid: expected a positive batch size or null")
-    if cfg.optim.lr_scaling is not LRScaling.none and cfg.optim.base_batch is None:
-        raise UserError(f"optim.lr_scaling={cfg.optim.lr_scaling.name} needs optim.base_batch, the effective batch "
-                        f"optim.lr was tuned for (e.g. optim.base_batch=32)")
+    register_schemas()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra)

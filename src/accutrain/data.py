@@ -1,4 +1,5 @@
-"""Datasets (each a factory selected by `data=`, returning train and held-out splits) and their loaders."""
+"""Datasets (each a factory selected by `data=`, returning train and held-out splits) and the evaluation loader;
+the train loader walks windows (accutrain.windows)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from accutrain.errors import UserError
+from accutrain.seeding import generator
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Synthetic(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + i)
+        g = generator(self.seed, self.offset + i)
         y = self.labels[i]
         x = self.prototypes[y] + self.noise * torch.randn(self.prototypes.shape[1:], generator=g)
         return x, y
@@ -217,12 +219,6 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
         )
     return Datasets(train, val, len(train.classes), (channels, image_size, image_size),
                     f"imagefolder ({root_path}, {len(train.classes)} classes)")
-
-
-def train_loader(dataset: Dataset, batch_sampler: Any, num_workers: int, pin_memory: bool,
-                 generator: torch.Generator) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, generator=generator)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:

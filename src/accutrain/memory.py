@@ -1,11 +1,9 @@
-"""Memory: peak measurement, activation checkpointing, gradients kept outside .grad (fp32 or in CPU memory),
-and `micro_batch=auto`, the largest micro-batch that fits."""
+"""Memory: peak measurement, out-of-memory errors, activation checkpointing, and gradients kept outside .grad (in
+float32 or in CPU memory). `micro_batch=auto` is in accutrain.auto_batch."""
 from __future__ import annotations
 
 import functools
 import gc
-import hashlib
-import json
 import logging
 import re
 from contextlib import contextmanager, nullcontext
@@ -17,6 +15,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from accutrain.errors import UserError
+from accutrain.norms import batchnorm_layers
 
 log = logging.getLogger("accutrain")
 
@@ -73,7 +72,7 @@ def free_memory(device: torch.device) -> None:
 @contextmanager
 def _frozen_running_stats(*modules: nn.Module) -> Iterator[None]:
     """During the recomputation in backward, BatchNorm must not update its running statistics a second time."""
-    norms = [m for module in modules for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = [m for module in modules for _, m in batchnorm_layers(module)]
     saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
              for m in norms]
     for m in norms:
@@ -155,7 +154,7 @@ class GradBuffers:
         pin = offload and torch.cuda.is_available()
         self.buffers = {p: torch.zeros(p.shape, dtype=dtype or p.dtype, device="cpu" if offload else p.device,
                                        pin_memory=pin) for p in params}
-        self.handles = [p.register_post_accumulate_grad_hook(self._take) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._take) for p in params]
 
     def _take(self, p: nn.Parameter) -> None:
         buffer = self.buffers[p]
@@ -168,86 +167,32 @@ class GradBuffers:
             p.grad = buffer.to(p.device, p.dtype, non_blocking=True, copy=True)
             buffer.zero_()
 
+    def clear(self) -> None:
+        """Drop what the buffers hold (the partial gradients of a window abandoned after an out-of-memory)."""
+        for buffer in self.buffers.values():
+            buffer.zero_()
 
-# --- micro_batch=auto ----------------------------------------------------------------------------------
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def search_micro_batch(window: int, fits: Callable[[int], tuple[bool, float]], budget_mb: Optional[float]
-                       ) -> tuple[int, list[str]]:
-    """The largest divisor of `window` (a rank's share of the effective batch) for which `fits` holds, trying
-    sizes upward and stopping at the first that does not fit; with a budget, a size whose memory, extrapolated
-    from the last two trials, exceeds it is not tried. Returns (size, what each trial found)."""
-    best, notes, trials = None, [], []
-    for size in divisors(window):
-        if budget_mb is not None and len(trials) >= 2:
-            (s0, m0), (s1, m1) = trials[-2:]
-            predicted = m1 + (m1 - m0) / (s1 - s0) * (size - s1)
-            if predicted > budget_mb * 1.25:
-                notes.append(f"{size}: predicted {predicted:.0f} MiB > budget {budget_mb:.0f} MiB")
-                break
-        ok, mb = fits(size)
-        notes.append(f"{size}: {'fits' if ok else 'does not fit'}" + (f" ({mb:.0f} MiB)" if mb else ""))
-        if not ok:
-            break
-        best = size
-        trials.append((size, mb))
-    if best is None:
-        raise UserError(f"micro_batch=auto: not even a micro-batch of 1 fits ({'; '.join(notes)})")
-    return best, notes
+    def remove(self) -> None:
+        """Stop collecting: gradients accumulate in .grad again."""
+        for hook in self._hooks:
+            hook.remove()
 
 
-def cache_key(**parts: Any) -> str:
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def read_cache(path: Path, key: str) -> Optional[int]:
-    try:
-        return json.loads(path.read_text()).get(key, {}).get("micro_batch")
-    except (OSError, ValueError, AttributeError):
+def make_grad_buffers(trainer: Any, model: nn.Module, precision: Any, device: torch.device, world_size: int
+                      ) -> Optional[GradBuffers]:
+    """Buffers for trainer.accum_dtype=float32 (half-precision weights) and trainer.offload_grads, if asked."""
+    fp32 = trainer.accum_dtype == "float32" and precision.param_dtype != torch.float32
+    if trainer.accum_dtype == "float32" and not fp32:
+        log.info(f"trainer.accum_dtype=float32: the weights are float32 with precision {precision.name}, so "
+                 "gradients already accumulate in float32")
+    offload = trainer.offload_grads and device.type != "cpu"
+    if trainer.offload_grads and not offload:
+        log.warning("trainer.offload_grads=true does nothing on the CPU: the gradients already live in CPU memory")
+    if not (fp32 or offload):
         return None
-
-
-def write_cache(path: Path, key: str, micro_batch: int, description: str) -> None:
-    try:
-        entries = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[key] = {"micro_batch": micro_batch, "for": description}
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(entries, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError as e:
-        log.warning(f"micro_batch=auto: could not cache the result in {path}: {e}")
-
-
-def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Any],
-          device: torch.device, budget_mb: Optional[float], loss: Callable) -> Callable[[int], tuple[bool, float]]:
-    """fits(size): one real forward, backward and optimizer step on `size` samples; (fits, peak MiB). Weights,
-    buffers, optimizer state and RNG are restored afterwards, so the search leaves no trace on training."""
-    def fits(size: int) -> tuple[bool, float]:
-        saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        x, y = batch_of(size)
-        try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                free_memory(device)
-                reset_peak(device)
-                with precision.autocast():
-                    logits = model(precision.inputs(x.to(device)))
-                precision.backward(loss(logits, y.to(device)))
-                optimizer.step()  # its state (momentum, Adam moments) is part of what must fit
-                mb = peak_mb(device)
-            return budget_mb is None or mb <= budget_mb, mb
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            return False, 0.0
-        finally:
-            optimizer.zero_grad(set_to_none=True)
-            optimizer.state.clear()
-            model.load_state_dict(saved)
-            free_memory(device)
-
-    return fits
+    if world_size > 1:
+        raise UserError("trainer.accum_dtype=float32 and trainer.offload_grads need devices=1 in this version "
+                        "(DDP all-reduces .grad, not accutrain's buffers)")
+    log.info("gradients accumulate in " + " and ".join(
+        (["float32 buffers"] if fp32 else []) + (["pinned CPU memory"] if offload else [])))
+    return GradBuffers([p for p in model.parameters() if p.requires_grad], torch.float32 if fp32 else None, offload)

@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 import inspect
-import types
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from accutrain.config import load_target
 from accutrain.errors import UserError
-
-# Keys of the `model` config that accutrain applies itself instead of passing them to the factory.
-MODEL_KEYS_NOT_ARGS = {"_target_", "sync_batchnorm", "norm", "norm_groups"}
+from accutrain.targets import factory as target_and_args
 
 
 def mlp(num_classes: int, in_channels: int, image_size: int, hidden: list[int], dropout: float = 0.0) -> nn.Module:
@@ -55,36 +51,7 @@ def char_lm(vocab_size: int, num_classes: int, embedding: int = 32, hidden: int 
     return CharLM(vocab_size, num_classes, embedding, hidden)
 
 
-def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
-    return nn.Module.train(module, False)
-
-
-def convert_norm(model: nn.Module, norm: Any, groups: int) -> int:
-    """model.norm: BatchNorm → GroupNorm (`group`, affine weights carried over), or kept in eval mode with its
-    running statistics fixed (`frozen`; its scale and shift still train). Returns how many layers changed."""
-    from accutrain.config import Norm
-
-    norm = Norm(norm.value if hasattr(norm, "value") else norm)
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if norm is Norm.keep:
-        return 0
-    for name, bn in layers:
-        if norm is Norm.frozen:
-            bn.eval()
-            bn.train = types.MethodType(_stay_in_eval, bn)  # model.train() leaves it in eval mode
-            continue
-        channels = bn.num_features
-        group_count = max(g for g in range(1, min(groups, channels) + 1) if channels % g == 0)
-        gn = nn.GroupNorm(group_count, channels, eps=bn.eps, affine=bn.affine)
-        if bn.affine:
-            with torch.no_grad():
-                gn.weight.copy_(bn.weight)
-                gn.bias.copy_(bn.bias)
-        _replace(model, name, gn)
-    return len(layers)
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
@@ -104,7 +71,7 @@ def _adapt_input_channels(model: nn.Module, in_channels: int) -> None:
         new.weight.copy_(conv.weight.sum(1, keepdim=True).expand_as(new.weight) / in_channels)
         if conv.bias is not None:
             new.bias.copy_(conv.bias)
-    _replace(model, name, new)
+    replace_module(model, name, new)
 
 
 def _replace_head(model: nn.Module, num_classes: int) -> None:
@@ -113,10 +80,10 @@ def _replace_head(model: nn.Module, num_classes: int) -> None:
     if linears:
         name, head = linears[-1]
         if head.out_features != num_classes:
-            _replace(model, name, nn.Linear(head.in_features, num_classes))
+            replace_module(model, name, nn.Linear(head.in_features, num_classes))
         return
     name, conv = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)][-1]  # squeezenet
-    _replace(model, name, nn.Conv2d(conv.in_channels, num_classes, conv.kernel_size))
+    replace_module(model, name, nn.Conv2d(conv.in_channels, num_classes, conv.kernel_size))
 
 
 def torchvision_classifier(
@@ -159,15 +126,14 @@ def torchvision_classifier(
 
 def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,
                 example: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> nn.Module:
-    """Call `cfg._target_` with the other keys of `cfg`, plus the data's arguments (num_classes, in_channels,
-    image_size, and `extra`) that it takes; then apply model.norm.
+    """Call `cfg._target_` with the other keys of `cfg` (but config.OWN_KEYS), plus the data's arguments
+    (num_classes, in_channels, image_size, and `extra`) that it takes.
 
     A dry forward pass (on two samples of the data, `example`, or two blank images) checks that the model takes
     the data and returns one logit per class, so a mismatch is one clear line now rather than a traceback in the
     first step.
     """
-    factory = load_target("model._target_", cfg["_target_"])
-    kwargs = {k: v for k, v in cfg.items() if k not in MODEL_KEYS_NOT_ARGS}
+    factory, kwargs = target_and_args("model", cfg)
     from_data: dict[str, Any] = dict(num_classes=num_classes, **(extra or {}))
     if len(sample_shape) == 3:
         from_data.update(in_channels=sample_shape[0], image_size=sample_shape[1])
@@ -180,7 +146,6 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         raise UserError(f"model._target_={cfg['_target_']}: {e}") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
-    convert_norm(model, cfg.get("norm", "keep"), cfg.get("norm_groups", 32))
     x, y = example if example is not None else (torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
     shape = "×".join(map(str, x.shape[1:]))
     model.eval()

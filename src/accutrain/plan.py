@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from accutrain.config import LastWindow
 from accutrain.errors import UserError
@@ -35,11 +35,6 @@ class BatchPlan:
         return full + (1 if self.tail and self.last_window is LastWindow.step else 0)
 
     @property
-    def samples_per_epoch(self) -> int:
-        dropped = self.tail if self.last_window is LastWindow.drop else 0
-        return self.train_size - dropped
-
-    @property
     def total_steps(self) -> int:
         """Optimizer steps of the whole run: epochs and max_steps, whichever ends first."""
         by_epochs = self.epochs * self.steps_per_epoch if self.epochs is not None else None
@@ -49,6 +44,12 @@ class BatchPlan:
     def total_epochs(self) -> int:
         """Epochs begun, the last possibly cut short by max_steps."""
         return math.ceil(self.total_steps / self.steps_per_epoch)
+
+    def record(self) -> dict[str, Any]:
+        """The plan as data: what status.json, metrics.jsonl and checkpoints record, and reports read back."""
+        return dict(effective=self.effective, micro_batch=self.micro_batch, accum=self.accum, devices=self.devices,
+                    train_size=self.train_size, steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
+                    last_window=self.last_window.value)
 
     def describe(self) -> list[str]:
         """The start-up lines: the arithmetic, then the optimizer steps per epoch and in total."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
-from accutrain.report import MISSING_VALUE, RunRow, common_overrides, read_run
+from accutrain.runs import MISSING_VALUE, RunRow, common_overrides
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -75,17 +75,3 @@ def plot_summary(rows: list[RunRow], out: Path) -> None:
                          f"no peak_mem_mb in metrics.jsonl ({MISSING_VALUE})")
     _against_micro_batch(speed, rows, "samples_per_s", "samples/s", f"no samples/s recorded ({MISSING_VALUE})")
     fig.savefig(out)
-
-
-def write_loss_plot(run_dir: Path) -> Optional[Path]:
-    """Draw run_dir/loss.png from its metrics.jsonl when it has any step; never raises (a warning instead)."""
-    out = run_dir / "loss.png"
-    try:
-        row = read_run(run_dir, run_dir.name)
-        if not row.curve:
-            return None
-        plot_run(row, out)
-        return out
-    except Exception as e:  # a plot must never break a run
-        log.warning(f"could not draw {out}: {type(e).__name__}: {e}")
-        return None

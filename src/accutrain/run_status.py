@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from accutrain.errors import Preempted, one_line
+from accutrain.files import write_atomic
 
 STATUS_FILE = "status.json"
 FINAL_STATES = ("completed", "failed", "interrupted")
@@ -24,18 +25,29 @@ def _now() -> str:
 
 
 def write_status(run_dir: Path, state: str, error: Optional[str] = None) -> None:
-    """Replace run_dir/status.json atomically; a final state keeps the start time. Never raises: logs a warning."""
+    """Record the run's state; a final state keeps what the running record holds (start time, plan). Never raises:
+    logs a warning."""
     record: dict[str, Any] = {"state": state, "started": _now(), "host": socket.gethostname(), "pid": os.getpid()}
     if state != "running":
-        record["started"] = (read_status(run_dir) or {}).get("started", record["started"])
+        record = {**(read_status(run_dir) or {}), **{k: v for k, v in record.items() if k != "started"}}
+        record.setdefault("started", _now())
         record["ended"] = _now()
     if error is not None:
         record["error"] = error
+    _write(run_dir, record)
+
+
+def add_to_status(run_dir: Path, **fields: Any) -> None:
+    """Add fields (the batch plan, …) to the run's status record, if it has one."""
+    record = read_status(run_dir)
+    if record is not None:
+        _write(run_dir, {**record, **fields})
+
+
+def _write(run_dir: Path, record: dict[str, Any]) -> None:
     path = run_dir / STATUS_FILE
-    tmp = path.with_name(f".{STATUS_FILE}.tmp")
     try:
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(record) + "\n")
     except OSError as e:
         log.warning(f"could not record the run's status in {path}: {e}")
 

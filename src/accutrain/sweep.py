@@ -19,7 +19,8 @@ class SweepSummary(Callback):
         SweepSummary.failed_jobs = 0
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from accutrain.report import collect, write_report
+        from accutrain.report import write_report
+        from accutrain.runs import collect
 
         # Printed rather than logged: after in-process jobs the root logger still writes into the last job's log.
         sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -1,4 +1,5 @@
-"""The sampler that cuts the seed's permutation of the training set into windows of micro-batches.
+"""Windows: the seed's permutation of the training set, cut into windows, cut into this rank's micro-batches — and the
+loader that walks them, the one walk the loop consumes.
 
 A window is every sample of one optimizer step: a contiguous slice of the epoch's permutation, which depends
 on (seed, epoch) only. How the window is cut into micro-batches and ranks never changes which samples are in
@@ -6,30 +7,42 @@ it, so `micro_batch=8 accum=4` and `micro_batch=32 accum=1` take their steps on 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from accutrain.config import LastWindow
 from accutrain.plan import BatchPlan
+from accutrain import seeding
 
 
 @dataclass(frozen=True)
 class Window:
+    """One optimizer step's samples, as this rank sees them."""
+
+    epoch: int
     index: int  # position in the epoch
-    size: int  # samples in the whole window, all ranks together: the loss normaliser
-    micro: list[list[int]]  # this rank's micro-batches (dataset indices); every rank has as many, some maybe empty
+    size: int  # samples in the whole window, all ranks together
+    sizes: tuple[int, ...]  # this rank's micro-batches, in samples (every rank has as many; the last ones may be 0)
+
+
+class MicroBatch(list):
+    """The dataset indices of one of this rank's micro-batches (possibly none), and the window it belongs to."""
+
+    def __init__(self, indices: Iterable[int], window: Window) -> None:
+        super().__init__(indices)
+        self.window = window
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The permutation of range(n) that epoch `epoch` of a run seeded `seed` visits."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g)
+    return torch.randperm(n, generator=seeding.generator(seed, epoch))
 
 
-def split_window(samples: list[int], micro_batch: int, rank: int, world: int) -> list[list[int]]:
+def rank_share(samples: list[int], micro_batch: int, rank: int, world: int) -> list[list[int]]:
     """Cut a window into consecutive micro-batches; micro-batch k runs at micro-step k // world on rank k % world.
 
     A full window gives every rank `accum` micro-batches of `micro_batch`; a short one leaves the last
@@ -40,8 +53,8 @@ def split_window(samples: list[int], micro_batch: int, rank: int, world: int) ->
     return [chunks[k] if k < len(chunks) else [] for k in range(rank, steps * world, world)]
 
 
-class WindowSampler(Sampler[list[int]]):
-    """Batch sampler for a DataLoader: yields this rank's non-empty micro-batches, window after window."""
+class WindowSampler(Sampler[MicroBatch]):
+    """Batch sampler for a DataLoader: this rank's micro-batches, window after window, empty ones included."""
 
     def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1) -> None:
         self.plan, self.seed, self.rank, self.world = plan, seed, rank, world
@@ -51,17 +64,79 @@ class WindowSampler(Sampler[list[int]]):
         """Select the epoch (and the window to begin at, for resuming) that the next iteration visits."""
         self.epoch, self.start = epoch, start_window
 
-    def windows(self) -> Iterator[Window]:
+    def windows(self) -> Iterator[list[MicroBatch]]:
+        """This rank's micro-batches of each window of the epoch, from the start window on."""
         order = epoch_order(self.plan.train_size, self.seed, self.epoch)
         size = self.plan.effective
         for index in range(self.start, self.plan.steps_per_epoch):
             samples = order[index * size : (index + 1) * size].tolist()
             assert len(samples) == size or self.plan.last_window is LastWindow.step
-            yield Window(index, len(samples), split_window(samples, self.plan.micro_batch, self.rank, self.world))
+            share = rank_share(samples, self.plan.micro_batch, self.rank, self.world)
+            window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share))
+            yield [MicroBatch(indices, window) for indices in share]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for window in self.windows():
-            yield from (mb for mb in window.micro if mb)
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for micro_batches in self.windows():
+            yield from micro_batches
 
     def __len__(self) -> int:
-        return sum(1 for w in self.windows() for mb in w.micro if mb)
+        """This rank's micro-batches from the start window to the end of the epoch (empty ones included)."""
+        plan = self.plan
+        full = min(plan.train_size // plan.effective, plan.steps_per_epoch)
+        stepped_tail = plan.steps_per_epoch > full  # the epoch ends with an incomplete window that is stepped on
+        tail_steps = math.ceil(math.ceil(plan.tail / plan.micro_batch) / self.world) if stepped_tail else 0
+        skipped = min(self.start, full) * plan.accum + (tail_steps if self.start > full else 0)
+        return full * plan.accum + tail_steps - skipped
+
+
+class WindowData(Dataset):
+    """The training set as the train loader reads it: a MicroBatch's samples, collated, with its window. An empty
+    micro-batch becomes a zero-sample batch (a rank whose share of a short window ran out still takes part in the
+    window's gradient all-reduce)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self._empty: Optional[list] = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, micro_batch: MicroBatch) -> tuple[Window, list]:
+        if not micro_batch:
+            if self._empty is None:
+                self._empty = [t[:0] for t in default_collate([self.dataset[0]])]
+            return micro_batch.window, self._empty
+        return micro_batch.window, default_collate([self.dataset[i] for i in micro_batch])
+
+
+def _collated(item: tuple[Window, list]) -> tuple[Window, list]:
+    return item  # WindowData.__getitems__ collates already
+
+
+def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
+                  generator: torch.Generator) -> DataLoader:
+    """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order."""
+    return DataLoader(WindowData(dataset), batch_sampler=sampler, collate_fn=_collated, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)
+
+
+def windows_of(loader: Iterable[tuple[Window, Any]]) -> Iterator[tuple[Window, Iterator[Any]]]:
+    """The loader's micro-batches grouped by window: (window, its batches), each batch loaded when it is asked for."""
+    items = iter(loader)
+    pending = next(items, None)
+    def batches(window: Window) -> Iterator[Any]:
+        nonlocal pending
+        while pending is not None and pending[0] == window:
+            batch, pending = pending[1], None
+            yield batch
+            pending = next(items, None)
+
+    while pending is not None:
+        window = pending[0]
+        group = batches(window)
+        yield window, group
+        for _ in group:  # what the consumer left of the window
+            pass

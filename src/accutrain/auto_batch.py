@@ -1,0 +1,141 @@
+"""`micro_batch=auto`: the largest micro-batch whose real training step fits, found by trial steps and cached."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import default_collate
+
+from accutrain import dist
+from accutrain.data import Datasets
+from accutrain.dist import World
+from accutrain.errors import UserError
+from accutrain.files import write_atomic
+from accutrain.memory import free_memory, is_oom, peak_mb, reset_peak
+from accutrain.precision import Precision
+from accutrain.step import SummedLoss
+
+log = logging.getLogger("accutrain")
+
+
+def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                     datasets: Datasets, device: torch.device, world: World, loss: SummedLoss,
+                     cache_dir: Optional[Path]) -> int:
+    """The largest divisor of global_batch / devices whose real training step fits, found by trial steps (cached
+    per model, data shape, precision, device and budget in `cache_dir`)."""
+    budget = cfg.trainer.memory_budget_mb
+    if device.type == "cpu" and budget is None:
+        raise UserError("micro_batch=auto on the CPU needs trainer.memory_budget_mb=N: the peak memory (MiB) a "
+                        "training step may reach, since the CPU has no out-of-memory error to detect")
+    if cfg.global_batch % world.size:
+        raise UserError(f"global_batch={cfg.global_batch} is not a multiple of devices {world.size}")
+    window = cfg.global_batch // world.size
+    about = dict(model=OmegaConf.to_container(cfg.model, resolve=True), shape=datasets.sample_shape,
+                 precision=precision.name, device=torch.cuda.get_device_name(device) if device.type == "cuda"
+                 else "cpu", budget=budget, window=window, optim=cfg.optim._target_,
+                 checkpointing=cfg.trainer.activation_checkpointing)
+    key, cache = cache_key(**about), (cache_dir / "micro_batch_auto.json" if cache_dir else None)
+    found = read_cache(cache, key) if cache else None
+    if found is not None:
+        log.info(f"micro_batch=auto: {found}, cached in {cache}")
+        return found
+
+    def batch_of(size: int) -> Any:
+        return default_collate([datasets.train[i % len(datasets.train)] for i in range(size)])
+
+    fits = trial(model, optimizer, precision, batch_of, device, budget, loss)
+    found, notes = search_micro_batch(window, fits, budget)
+    log.info(f"micro_batch=auto: trial steps {'; '.join(notes)}")
+    if world.size > 1:  # every rank tried on its own device: take the size that fits on all of them
+        found = int(dist.all_reduce_min(torch.tensor(found, device=device), world).item())
+    if cache and world.main:
+        write_cache(cache, key, found, f"{about['model'].get('name', about['model']['_target_'])} "
+                    f"{about['shape']} {precision.name} {about['device']} window {window}")
+    return found
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_micro_batch(window: int, fits: Callable[[int], tuple[bool, float]], budget_mb: Optional[float]
+                       ) -> tuple[int, list[str]]:
+    """The largest divisor of `window` (a rank's share of the effective batch) for which `fits` holds, trying
+    sizes upward and stopping at the first that does not fit; with a budget, a size whose memory, extrapolated
+    from the last two trials, exceeds it is not tried. Returns (size, what each trial found)."""
+    best, notes, trials = None, [], []
+    for size in divisors(window):
+        if budget_mb is not None and len(trials) >= 2:
+            (s0, m0), (s1, m1) = trials[-2:]
+            predicted = m1 + (m1 - m0) / (s1 - s0) * (size - s1)
+            if predicted > budget_mb * 1.25:
+                notes.append(f"{size}: predicted {predicted:.0f} MiB > budget {budget_mb:.0f} MiB")
+                break
+        ok, mb = fits(size)
+        notes.append(f"{size}: {'fits' if ok else 'does not fit'}" + (f" ({mb:.0f} MiB)" if mb else ""))
+        if not ok:
+            break
+        best = size
+        trials.append((size, mb))
+    if best is None:
+        raise UserError(f"micro_batch=auto: not even a micro-batch of 1 fits ({'; '.join(notes)})")
+    return best, notes
+
+
+def cache_key(**parts: Any) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_cache(path: Path, key: str) -> Optional[int]:
+    try:
+        return json.loads(path.read_text()).get(key, {}).get("micro_batch")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def write_cache(path: Path, key: str, micro_batch: int, description: str) -> None:
+    try:
+        entries = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"micro_batch": micro_batch, "for": description}
+    try:
+        write_atomic(path, json.dumps(entries, indent=1) + "\n")
+    except OSError as e:
+        log.warning(f"micro_batch=auto: could not cache the result in {path}: {e}")
+
+
+def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Any],
+          device: torch.device, budget_mb: Optional[float], loss: Callable) -> Callable[[int], tuple[bool, float]]:
+    """fits(size): one real forward, backward and optimizer step on `size` samples; (fits, peak MiB). Weights,
+    buffers, optimizer state and RNG are restored afterwards, so the search leaves no trace on training."""
+    def fits(size: int) -> tuple[bool, float]:
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        x, y = batch_of(size)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                free_memory(device)
+                reset_peak(device)
+                with precision.autocast():
+                    logits = model(precision.inputs(x.to(device)))
+                precision.backward(loss(logits, y.to(device)))
+                optimizer.step()  # its state (momentum, Adam moments) is part of what must fit
+                mb = peak_mb(device)
+            return budget_mb is None or mb <= budget_mb, mb
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            return False, 0.0
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.state.clear()
+            model.load_state_dict(saved)
+            free_memory(device)
+
+    return fits

@@ -1,0 +1,136 @@
+"""From the typed config to everything the loop needs: data, model, optimizer, scheduler, the batch plan, the
+window loader, and the device wrapping (DDP). Each part comes from a small factory chosen by the config."""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Subset, default_collate
+
+from accutrain import data, dist, lr_scaling, memory, models, norms
+from accutrain.auto_batch import auto_micro_batch
+from accutrain.dist import World
+from accutrain.plan import BatchPlan, make_plan
+from accutrain.precision import Precision, make_precision
+from accutrain.seeding import seed_everything
+from accutrain.step import SummedLoss, make_loss
+from accutrain.targets import factory
+from accutrain.windows import WindowSampler, window_loader
+
+log = logging.getLogger("accutrain")
+
+
+@dataclass
+class Components:
+    """Everything the loop needs, built once from the config."""
+
+    cfg: DictConfig
+    world: World
+    plan: BatchPlan
+    device: torch.device
+    model: nn.Module  # the bare model: its state_dict is what checkpoints hold
+    wrapped: nn.Module  # what the loop calls: the DDP wrapper on several devices, else the model itself
+    no_sync: Callable[[], ContextManager]  # skips the gradient all-reduce of a micro-batch (DDP), else nothing
+    comm: Optional[dist.CommStats]  # what the gradient all-reduces sent (several devices)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: WindowSampler
+    loader: DataLoader  # yields (window, micro-batch) in the sampler's order
+    val_loader: DataLoader
+    precision: Precision
+    buffers: Optional[memory.GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)
+    loss: SummedLoss
+
+
+def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Optional[Path] = None) -> Components:
+    """Build the run's components on this rank's `device`. The config was validated by the caller."""
+    trainer = cfg.trainer
+    seed_everything(cfg.seed)  # the initial weights depend on the seed only: the data is made on a fork of the RNG
+    make_data, data_kwargs = factory("data", cfg.data)
+    with main_first(world), torch.random.fork_rng(devices=[]):
+        datasets: data.Datasets = make_data(**data_kwargs)
+    precision = make_precision(trainer.precision, device)
+    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index)
+    model = build_model(cfg, datasets, world, device, precision)
+
+    make_optimizer, optim_kwargs = factory("optim", cfg.optim)
+    optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
+    micro_batch = cfg.micro_batch
+    if micro_batch == "auto":
+        micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, loss, cache_dir)
+    buffers = memory.make_grad_buffers(trainer, model, precision, device, world.size)
+    plan = make_plan(
+        micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
+        train_size=len(datasets.train), last_window=trainer.last_window,
+        epochs=trainer.epochs, max_steps=trainer.max_steps,
+    )
+    for line in plan.describe():
+        log.info(line)
+    log.info(data.describe_split_sizes(datasets))
+    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = lr_scaling.scaled_lr(*scaling)
+    if line := lr_scaling.describe(*scaling):
+        log.info(line)
+    make_scheduler, sched_kwargs = factory("sched", cfg.sched)
+    scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
+
+    wrapped, no_sync, comm = model, nullcontext, None
+    if world.size > 1:
+        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                          gradient_as_bucket_view=True)
+        comm = dist.CommStats(process_group=None)
+        wrapped.register_comm_hook(comm, dist.counting_allreduce_hook)
+        no_sync = wrapped.no_sync
+
+    pin = device.type == "cuda"
+    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size)
+    # The loader draws its workers' seeds from its own generator, never from the global RNG that dropout uses.
+    loader = window_loader(datasets.train, sampler, cfg.data.num_workers, pin,
+                           generator=torch.Generator().manual_seed(cfg.seed))
+    val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
+    val_loader = data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin)
+    synced = world.size > 1 and cfg.model.get("sync_batchnorm", False)
+    if warning := norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced):
+        log.warning(warning)
+    return Components(cfg, world, plan, device, model, wrapped, no_sync, comm, optimizer, scheduler, sampler, loader,
+                      val_loader, precision, buffers, loss)
+
+
+def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: torch.device, precision: Precision
+                ) -> nn.Module:
+    """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device."""
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    example = default_collate([datasets.train[i] for i in range(min(2, len(datasets.train)))])
+    model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
+    norms.convert_norm(model, cfg.model.get("norm", "keep"), cfg.model.get("norm_groups", 32))
+    if world.size > 1 and model_cfg.get("sync_batchnorm"):  # CUDA only: launch refuses it on the CPU
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.trainer.activation_checkpointing:
+        if wrapped := memory.enable_activation_checkpointing(model):
+            log.info(f"activation checkpointing: {wrapped} blocks recompute their activations in backward")
+        else:
+            log.warning("trainer.activation_checkpointing=true does nothing for this model: it has no blocks to "
+                        "wrap (modules with parameters inside an nn.Sequential or nn.ModuleList)")
+    model = model.to(device=device, dtype=precision.param_dtype)
+    log.info(f"model {cfg.model.get('name', cfg.model._target_)}: {models.count_parameters(model):,} parameters, "
+             f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
+             + (f", precision {precision.name}" if precision.name != "32" else ""))
+    return model
+
+
+@contextmanager
+def main_first(world: World) -> Iterator[None]:
+    """Rank 0 runs the block first (a download, say), the other ranks after it."""
+    if not world.main:
+        torch.distributed.barrier()
+    yield
+    if world.main and world.size > 1:
+        torch.distributed.barrier()

@@ -1,0 +1,154 @@
+"""Starting the ranks: one process, `devices` spawned worker processes on this machine, or one rank of the world
+torchrun (or any launcher setting RANK/WORLD_SIZE/LOCAL_RANK) started. Each rank then runs session.train_rank."""
+from __future__ import annotations
+
+import logging
+import logging.config
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from accutrain.dist import World, count_devices, resolve_device
+from accutrain.errors import Preempted, UserError
+from accutrain.loop import Outcome
+from accutrain.session import train_rank
+from accutrain.signals import StopRequest
+from accutrain.validate import validate
+
+log = logging.getLogger("accutrain")
+
+
+def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> Optional[Outcome]:
+    """Train as configured: validate once, then run the ranks; raise Preempted if a signal stopped the run early
+    (after its checkpoint). `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging)."""
+    validate(cfg)
+    device = resolve_device(cfg.trainer.device)
+    world = torchrun_world()
+    if world is not None and not world.main:
+        quiet_logging(world.rank)
+    if world is not None and cfg.devices not in ("auto", world.size):
+        raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
+                        f"or set devices={world.size}")
+    n = world.size if world is not None else count_devices(cfg.devices, device.type)
+    if n > 1 and cfg.model.get("sync_batchnorm") and device.type != "cuda":
+        raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the "
+                        "CPU (use devices=1, or model.sync_batchnorm=false)")
+    if world is not None:
+        out = train_rank(world, cfg, run_dir, device)
+    elif n == 1:
+        out = train_rank(World(), cfg, run_dir, device)
+    else:
+        log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
+        out = spawn(n, train_rank, (cfg, run_dir, device), log_config)
+    if out is not None and out.stopped_by:
+        raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
+                                                        f"{out.progress.step}; checkpoint {out.checkpoint}")
+    return out
+
+
+def torchrun_world() -> Optional[World]:
+    """The world torchrun (or any launcher setting RANK/WORLD_SIZE/LOCAL_RANK) describes, else None."""
+    env = os.environ
+    if not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= env.keys():
+        return None
+    return World(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+
+
+# --- spawning workers on one machine -------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def quiet_logging(rank: int) -> None:
+    """Ranks other than 0 log nothing but errors, named by rank."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.ERROR)
+
+
+@dataclass
+class _Job:
+    nprocs: int
+    port: int
+    errors: Any  # a queue of (rank, message): user errors
+    results: Any  # a queue holding rank 0's return value
+    log_config: Optional[dict]
+    threads: int
+    target: Callable[..., Any]
+    args: tuple = field(default_factory=tuple)
+
+
+def _worker(local_rank: int, job: _Job) -> None:
+    world = World(local_rank, job.nprocs, local_rank)
+    if world.main and job.log_config:
+        logging.config.dictConfig(job.log_config)
+    elif not world.main:
+        quiet_logging(world.rank)
+    torch.set_num_threads(job.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(world.rank),
+                      WORLD_SIZE=str(world.size), LOCAL_RANK=str(world.local_rank))
+    try:
+        result = job.target(world, *job.args)
+        if world.main:
+            job.results.put(result)
+    except UserError as e:
+        job.errors.put((world.rank, str(e)))
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict]) -> Any:
+    """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
+
+    A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
+    with the failing rank's traceback. A SIGTERM or SIGINT to this process is passed on to the workers, which
+    stop together after their current optimizer step.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args)
+    context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
+                                                    start_method="spawn")
+
+    def pass_on(signum: int) -> None:
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+
+    try:
+        with StopRequest(on_request=pass_on, announce=False):
+            while not context.join():
+                pass
+    except torch.multiprocessing.ProcessExitedException as e:
+        if not errors.empty():
+            raise UserError(errors.get()[1]) from None
+        raise RuntimeError(f"rank {e.error_index} of {nprocs} died (exit code {e.exit_code}); every rank stopped"
+                           ) from None
+    except torch.multiprocessing.ProcessRaisedException as e:
+        cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
+        raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
+                           f"\n{e}") from None
+    except KeyboardInterrupt:
+        for process in context.processes:
+            process.kill()
+        raise
+    return results.get() if not results.empty() else None

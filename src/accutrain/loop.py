@@ -1,0 +1,169 @@
+"""The loop: windows → accumulate → one optimizer step → record, evaluate, checkpoint.
+
+Per window: |W| is known before the first backward (the sampler counts samples; element-normalised losses count
+their elements across ranks first); each micro-batch backpropagates its summed loss × world / |W| (step.py);
+then, once per window: gradients back from their buffers, AMP unscale, the global norm (clipped if asked), one
+small all-reduce of the loss and the stop votes, one optimizer and scheduler step, zero_grad, the record.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from accutrain import dist, memory
+from accutrain.build import Components
+from accutrain.config import OnNonFinite
+from accutrain.errors import UserError
+from accutrain.metrics import MetricsLog
+from accutrain.progress import Progress
+from accutrain.signals import StopRequest
+from accutrain.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
+from accutrain.steplog import StepLog
+from accutrain.windows import Window, windows_of
+
+log = logging.getLogger("accutrain")
+
+
+@dataclass
+class Outcome:
+    progress: Progress
+    seconds: float  # this session's wall time in the loop
+    samples: int  # samples this session trained on
+    peak_mb: float  # the highest per-step peak memory of this session (MiB)
+    stopped_by: Optional[str] = None  # the signal that stopped the run early
+    checkpoint: Optional[Path] = None
+
+
+def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Optional[Path]],
+        stop: StopRequest) -> Outcome:
+    """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint."""
+    trainer, plan = c.cfg.trainer, c.plan
+    params = [param for param in c.model.parameters() if param.requires_grad]
+    record = StepLog(c, metrics, p)
+    for epoch in range(p.epoch, plan.total_epochs):
+        c.sampler.set_epoch(epoch, start_window=p.window)
+        for window, batches in windows_of(c.loader):
+            record.start()
+            terms, batches = window_terms(c, window, batches)  # |W|: the window's samples (or elements), all ranks
+            loss_sum = accumulate_window(c, p, window, batches, terms)  # forward+backward per micro-batch, one sync
+            if c.buffers:
+                c.buffers.release()  # the window's summed gradients back into .grad
+            if c.precision.scaler:
+                c.precision.scaler.unscale_(c.optimizer)  # before the norm and clipping
+            norm = grad_norm(params, trainer.grad_clip).item()  # measured, and clipped if asked, once per window
+            # One small all-reduce: the window's loss summed over every rank, and whether any rank was signalled.
+            loss_sum, stop_votes = dist.all_reduce_sum(torch.tensor(
+                [loss_sum.item(), stop.signum is not None], dtype=torch.float64, device=c.device), c.world).tolist()
+            loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"]
+            skipped = optimizer_step(c, loss, norm, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
+            c.optimizer.zero_grad(set_to_none=True)
+            p.advance(window, plan, loss, skipped)
+            record(window, terms, loss, lr, norm, skipped, sum(pieces(n, p.oom_parts) for n in window.sizes))
+
+            done = p.step == plan.total_steps
+            if done or (p.step % trainer.eval_every == 0 if trainer.eval_every else p.window == 0):
+                run_validation(c, metrics, p)
+            if done or stop_votes or (trainer.checkpoint_every and p.step % trainer.checkpoint_every == 0):
+                path = save(p)
+                if done or stop_votes:
+                    return outcome(record, p, stop.name if stop_votes else None, path)
+    return outcome(record, p, None, None)
+
+
+def outcome(record: StepLog, p: Progress, stopped_by: Optional[str], checkpoint: Optional[Path]) -> Outcome:
+    record.close()
+    return Outcome(p, record.seconds, record.samples, record.peak, stopped_by, checkpoint)
+
+
+def window_terms(c: Components, window: Window, batches: Iterator[Any]) -> tuple[int, Iterable[Any]]:
+    """(|W|, the window's batches): the loss terms on every rank, known before the first backward — its samples
+    (from the sampler; the batches are then still to be loaded), or (loss.normalize=elements) its elements whose
+    target is not ignore_index, counted in the loaded batches and summed over ranks."""
+    if not c.loss.elements:
+        return window.size, batches
+    loaded = list(batches)
+    terms = int(dist.all_reduce_sum(torch.tensor(c.loss.terms(loaded), device=c.device), c.world).item())
+    if terms == 0:
+        raise UserError(f"window {window.index} has no element to learn from: every target equals "
+                        f"loss.ignore_index={c.loss.ignore_index}")
+    return terms, loaded
+
+
+def accumulate_window(c: Components, p: Progress, window: Window, batches: Iterable[Any], terms: int
+                      ) -> torch.Tensor:
+    """accumulate() the window's micro-batches, each cut into p.oom_parts; after an out-of-memory, the window again
+    from its first micro-batch (those already loaded are kept for that), cut into twice as many."""
+    batches, loaded = iter(batches), []
+
+    def micro_batches() -> Iterator[Any]:
+        yield from cut_micro_batches(loaded, p.oom_parts)
+        for batch in batches:
+            loaded.append(batch)
+            yield from cut_micro_batches([batch], p.oom_parts)
+
+    while True:
+        try:
+            return accumulate(c.wrapped, micro_batches(), terms, c.device, world=c.world.size, no_sync=c.no_sync,
+                              precision=c.precision, loss=c.loss)
+        except Exception as e:
+            cut_after_oom(c, p, window, e)
+
+
+def cut_after_oom(c: Components, p: Progress, window: Window, error: Exception) -> None:
+    """After an out-of-memory mid-window: drop the partial gradients and cut every micro-batch in twice as many.
+    The window, hence the effective batch and the exact gradient, stay the same; accum doubles from now on."""
+    if not memory.is_oom(error):
+        raise error
+    largest = max(-(-n // p.oom_parts) for n in window.sizes)
+    if largest <= 1 or c.world.size > 1:
+        raise UserError(f"out of memory with micro-batches of {largest}" + (
+            " on one of several devices: set micro_batch lower (or micro_batch=auto)" if c.world.size > 1 else
+            ": even one sample does not fit (try trainer.activation_checkpointing=true or bf16-mixed precision)"))
+    c.optimizer.zero_grad(set_to_none=True)
+    if c.buffers:
+        c.buffers.clear()
+    memory.free_memory(c.device)
+    p.oom_parts *= 2
+    count = sum(pieces(n, p.oom_parts) for n in window.sizes)
+    log.warning(f"out of memory with micro-batches of {largest} at optimizer step {p.step + 1}: the window is "
+                f"re-split into {count} micro-batches of at most {max(-(-n // p.oom_parts) for n in window.sizes)}; "
+                f"the effective batch stays {c.plan.effective}")
+
+
+def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optional[str]:
+    """Step the optimizer and the scheduler (and the GradScaler) once for the window, or say why not:
+    `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed lowers its scale)."""
+    scaler, skipped = c.precision.scaler, None
+    if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
+        skipped = "nonfinite"
+        if c.cfg.trainer.on_nonfinite is OnNonFinite.stop:
+            raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at {where}: stopping; "
+                            "the last checkpoint holds finite weights (trainer.on_nonfinite=skip skips such windows)")
+    elif not math.isfinite(norm):
+        skipped = "amp_overflow"  # inf/NaN in the scaled gradients: the scaler skips the step
+    else:
+        if scaler:
+            scaler.step(c.optimizer)
+        else:
+            c.optimizer.step()
+        c.scheduler.step()
+    if scaler:
+        scaler.update()
+    return skipped
+
+
+def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> None:
+    """Evaluate on the held-out split (every rank its share), log it, remember the best accuracy."""
+    sums = evaluate(c.wrapped, c.val_loader, c.device, c.precision, c.loss.ignore_index)
+    loss_sum, correct, n = dist.all_reduce_sum(sums, c.world).tolist()
+    val_loss, val_acc = loss_sum / n, correct / n
+    epoch = p.last_epoch
+    metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
+    log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
+    if p.best_acc is None or val_acc > p.best_acc:
+        p.best_acc, p.best_step = val_acc, p.step

@@ -1,0 +1,94 @@
+"""One rank's run: join the process group, agree on the run directory, build, check, resume, train with rotating
+checkpoints, and say how it ended. Rank 0 alone writes config.yaml, metrics.jsonl, checkpoints and the summary."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain import check, checkpoint, dist
+from accutrain.build import Components, build
+from accutrain.dist import World
+from accutrain.errors import UserError
+from accutrain.loop import Outcome, fit
+from accutrain.metrics import MetricsLog, summary_line
+from accutrain.progress import Progress
+from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
+from accutrain.run_status import add_to_status
+from accutrain.signals import StopRequest
+
+log = logging.getLogger("accutrain")
+
+
+def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.device) -> Outcome:
+    """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
+    checkpoints/ go into run_dir."""
+    device = dist.worker_device(device, world)
+    dist.init_process_group(world, device)
+    run_dir = agree_on_run_dir(run_dir, world)
+    c = build(cfg, world, device, cache_dir=run_dir.parent)
+    if cfg.trainer.check and world.main:
+        result = check.run_check(c)
+        for line in result.lines():
+            (log.info if result.faithful else log.warning)(f"check: {line}")
+    resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
+    progress = restore(c, resume_from) if resume_from else Progress()
+    rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+
+    def save(p: Progress) -> Optional[Path]:
+        return save_checkpoint(c, p, rotation)
+
+    if world.main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if resume_from:
+            keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
+        add_to_status(run_dir, plan=c.plan.record())
+    metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None)
+    metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
+    try:
+        with StopRequest(announce=world.main) as stop:
+            out = fit(c, metrics, progress, save, stop)
+    finally:
+        metrics.close()
+    if world.main:
+        say_how_it_ended(c, out, run_dir)
+    return out
+
+
+def agree_on_run_dir(run_dir: Path, world: World) -> Path:
+    """Rank 0's run directory. Under torchrun each rank's Hydra made its own, possibly timed a second later: a stray
+    one is removed."""
+    main_dir = Path(dist.broadcast_from_main(str(run_dir), world))
+    if main_dir != run_dir:
+        dist.remove_stray_run_dir(run_dir)
+    return main_dir
+
+
+def save_checkpoint(c: Components, p: Progress, rotation: checkpoint.Rotation) -> Optional[Path]:
+    """Every rank's state into rank 0's checkpoint (refused when the weights are not finite); every rank waits for
+    it to be on disk."""
+    state = checkpoint_state(c, p)
+    path = None
+    if c.world.main:
+        if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
+            raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
+                            f"(the last good one is {rotation.steps()[0] if rotation.steps() else 'none'})")
+        path = rotation.save(state, p.step)
+    if c.world.size > 1:
+        torch.distributed.barrier()  # no rank leaves before the checkpoint is on disk
+    return path
+
+
+def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
+    p = out.progress
+    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, p.best_acc, p.best_step,
+                          out.peak_mb) + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+    if out.stopped_by:
+        log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
+                    f"checkpoint {out.checkpoint}. Resume with the same command plus: resume=auto "
+                    f"hydra.run.dir={run_dir}")
+    else:
+        log.info(f"outputs in {run_dir}")

@@ -1,0 +1,38 @@
+"""User plug-ins: the callable a `_target_` names, and the keyword arguments a group's config passes to it."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain.config import OWN_KEYS
+from accutrain.errors import UserError
+
+
+def load_target(key: str, target: str) -> Callable[..., Any]:
+    """The callable a `_target_` names (module.attribute); one clear line when it cannot be imported."""
+    parts = target.split(".")
+    first_error: Optional[ImportError] = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError as e:
+            first_error = first_error or e
+            continue
+        for j, attr in enumerate(parts[i:]):
+            if not hasattr(obj, attr):
+                raise UserError(f"{key}={target}: {'.'.join(parts[: i + j])} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        if not callable(obj):
+            raise UserError(f"{key}={target} is not callable: expected a class or function")
+        return obj
+    raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
+
+
+def factory(group: str, node: DictConfig | dict) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """(the callable `group._target_` names, the node's other keys as plain Python values), leaving out the keys
+    accutrain applies itself (config.OWN_KEYS)."""
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    target = load_target(f"{group}._target_", values["_target_"])
+    return target, {k: v for k, v in values.items() if k not in OWN_KEYS[group]}

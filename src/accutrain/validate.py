@@ -1,0 +1,64 @@
+"""The checks of a composed config that a type cannot express, run once per start, before anything is written;
+the batch arithmetic is checked by plan.make_plan."""
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain.config import LRScaling
+from accutrain.errors import UserError
+
+
+def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
+    """Refuse anything but a positive int (or one of `allow`) with one line naming key, value and what is valid."""
+    value = cfg[key]
+    if value in allow:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = " or ".join(["a positive integer", *("null" if a is None else str(a) for a in allow)])
+        raise UserError(f"{key}={value!r} is not valid: expected {valid} (e.g. {key}=8)")
+
+
+def validate(cfg: DictConfig) -> None:
+    """The checks a type cannot express; batch arithmetic is checked by plan.make_plan."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"{', '.join(missing)} must be set: add {' '.join(k + '=…' for k in missing)} to the command")
+    positive_int(cfg, "micro_batch", allow=("auto",))
+    positive_int(cfg, "accum", allow=(None,))
+    positive_int(cfg, "global_batch", allow=(None,))
+    positive_int(cfg, "devices", allow=("auto",))
+    t = cfg.trainer
+    if t.epochs is None and t.max_steps is None:
+        raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
+    for key in ("epochs", "max_steps", "eval_every", "eval_batch", "checkpoint_every"):
+        if t[key] is not None and t[key] < 1:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null")
+    for key in ("log_every", "keep_checkpoints"):
+        if t[key] < 1:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer")
+    if t.grad_clip is not None and t.grad_clip <= 0:
+        raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
+    if cfg.micro_batch == "auto" and cfg.global_batch is None:
+        raise UserError("micro_batch=auto needs global_batch=N: the effective batch to keep while it finds the "
+                        "largest micro-batch that fits")
+    if cfg.micro_batch == "auto" and cfg.accum is not None:
+        raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
+    if t.accum_dtype not in (None, "float32"):
+        raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
+    if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
+        raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
+    if cfg.model.get("norm_groups", 1) < 1:
+        raise UserError(f"model.norm_groups={cfg.model.norm_groups} is not valid: expected a positive integer")
+    if cfg.data.num_workers < 0:
+        raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
+    if cfg.sched.warmup_steps < 0:
+        raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
+    if cfg.optim.lr <= 0:
+        raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")
+    if cfg.optim.base_batch is not None and cfg.optim.base_batch < 1:
+        raise UserError(f"optim.base_batch={cfg.optim.base_batch} is not valid: expected a positive batch size or null")
+    if cfg.optim.lr_scaling is not LRScaling.none and cfg.optim.base_batch is None:
+        raise UserError(f"optim.lr_scaling={cfg.optim.lr_scaling.name} needs optim.base_batch, the effective batch "
+                        f"optim.lr was tuned for (e.g. optim.base_batch=32)")
