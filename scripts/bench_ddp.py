@@ -43,7 +43,7 @@ def bench_worker(world: dist.World, cfg, out: str, sync_every_micro_batch: bool)
         r.no_sync = nullcontext  # the forgotten no_sync: DDP all-reduces after every backward
     metrics = MetricsLog(Path(out) if world.main else None)
     with StopRequest(announce=False) as stop:
-        fit(r, metrics, Progress(), lambda progress: None, stop)
+        fit(r, metrics, Progress(), lambda *a, **k: None, stop)
     metrics.close()
 
 

@@ -79,7 +79,7 @@ def accutrain_loop(cfg, steps: int, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = MetricsLog(Path(tmp) / "metrics.jsonl")
         with StopRequest() as stop:
-            fit(r, metrics, Progress(), lambda progress: None, stop)
+            fit(r, metrics, Progress(), lambda *a, **k: None, stop)
         metrics.close()
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "loss" in r]

@@ -75,7 +75,7 @@ def test_grad_scaler_acts_once_per_optimizer_step(tmp_path, compose):
         setattr(scaler, name, counted)
     metrics = MetricsLog(tmp_path / "m.jsonl")
     with StopRequest() as stop:
-        out = fit(r, metrics, Progress(), lambda p: None, stop)
+        out = fit(r, metrics, Progress(), lambda *a, **k: None, stop)
     metrics.close()
     assert out.progress.step == 5
     assert calls == {"scale": 20, "unscale_": 5, "step": 5, "update": 5}  # scale per micro-batch, the rest per step
@@ -91,7 +91,7 @@ def test_amp_overflow_skips_the_optimizer_and_scheduler_step(tmp_path, compose):
     r.scheduler.step = lambda *a: (lrs.append(True), original_step(*a))
     metrics = MetricsLog(tmp_path / "m.jsonl")
     with StopRequest() as stop:
-        fit(r, metrics, Progress(), lambda p: None, stop)
+        fit(r, metrics, Progress(), lambda *a, **k: None, stop)
     metrics.close()
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines() if '"loss"' in line]
     skipped = [rec for rec in records if rec.get("skipped") == "amp_overflow"]

@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from accutrain import data, dist, lr_scaling, memory, models, norms
 from accutrain.auto_batch import auto_micro_batch
 from accutrain.dist import World
+from accutrain.ema import EMA, make_ema
+from accutrain.monitor import Monitor
 from accutrain.plan import BatchPlan, make_plan
 from accutrain.precision import Precision, make_precision
 from accutrain.seeding import seed_everything
@@ -47,6 +49,8 @@ class Components:
     precision: Precision
     buffers: Optional[memory.GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)
     loss: SummedLoss
+    ema: Optional[EMA]  # the moving average of the weights (trainer.ema)
+    monitor: Monitor  # the evaluation metric best.pt and early stopping follow
 
 
 def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Optional[Path] = None) -> Components:
@@ -101,7 +105,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     if warning := norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced):
         log.warning(warning)
     return Components(cfg, world, plan, device, model, wrapped, no_sync, comm, optimizer, scheduler, sampler, loader,
-                      val_loader, precision, buffers, loss)
+                      val_loader, precision, buffers, loss, make_ema(trainer, model), Monitor.from_config(trainer))
 
 
 def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: torch.device, precision: Precision

@@ -81,6 +81,12 @@ class Rotation:
             old.unlink(missing_ok=True)
         return path
 
+    def save_best(self, state: dict[str, Any]) -> Path:
+        """best.pt: the state at the best evaluation so far; never rotated away, never what resume=auto picks."""
+        path = self.directory / "best.pt"
+        save_atomic(state, path)
+        return path
+
     def latest_good(self) -> Optional[tuple[Path, dict[str, Any]]]:
         """The newest checkpoint that loads; an unreadable one is reported and the previous one tried."""
         candidates = self.steps() or ([self.directory / "last.pt"] if (self.directory / "last.pt").is_file() else [])

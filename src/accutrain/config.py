@@ -207,6 +207,13 @@ class TrainerConfig:
     offload_grads: bool = False  # keep the accumulating gradients in (pinned) CPU memory between micro-batches
     memory_budget_mb: Optional[float] = None  # micro_batch=auto: the memory a trial step may peak at (CPU: needed)
     check: bool = False  # run accutrain-check's comparison on the first window before training
+    ema: Optional[float] = None  # decay of an exponential moving average of the weights (e.g. 0.999); null: none
+    ema_warmup: bool = False  # decay min(ema, (1 + n) / (10 + n)) after n updates: the average forgets its start
+    ema_device: Optional[str] = None  # where the average lives: null beside the weights, or cpu
+    monitor: str = "val_acc"  # the evaluation metric best.pt and early stopping follow (val_loss, val_acc, *_ema)
+    monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
+    early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
+    min_delta: float = 0.0  # an improvement must exceed this to count
 
 
 @dataclass

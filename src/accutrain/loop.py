@@ -37,11 +37,13 @@ class Outcome:
     peak_mb: float  # the highest per-step peak memory of this session (MiB)
     stopped_by: Optional[str] = None  # the signal that stopped the run early
     checkpoint: Optional[Path] = None
+    early_stop: bool = False  # trainer.early_stopping ended the run before its plan
 
 
-def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[[Progress], Optional[Path]],
+def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Optional[Path]],
         stop: StopRequest) -> Outcome:
-    """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint."""
+    """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint
+    (`save(p)`, and `save(p, best=True)` when an evaluation is the best so far)."""
     trainer, plan = c.cfg.trainer, c.plan
     params = [param for param in c.model.parameters() if param.requires_grad]
     record = StepLog(c, metrics, p)
@@ -61,23 +63,29 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[[Progres
                 [loss_sum.item(), stop.signum is not None], dtype=torch.float64, device=c.device), c.world).tolist()
             loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"]
             skipped = optimizer_step(c, loss, norm, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
+            if c.ema is not None and skipped is None:
+                c.ema.update(c.model)  # the average moves with the optimizer step, only when one was taken
             c.optimizer.zero_grad(set_to_none=True)
             p.advance(window, plan, loss, skipped)
             record(window, terms, loss, lr, norm, skipped, sum(pieces(n, p.oom_parts) for n in window.sizes))
 
-            done = p.step == plan.total_steps
+            done, patience_out = p.step == plan.total_steps, False
             if done or (p.step % trainer.eval_every == 0 if trainer.eval_every else p.window == 0):
-                run_validation(c, metrics, p)
-            if done or stop_votes or (trainer.checkpoint_every and p.step % trainer.checkpoint_every == 0):
+                if run_validation(c, metrics, p):
+                    save(p, best=True)
+                patience_out = not done and c.monitor.out_of_patience(p.evals_since_best)
+            if done or stop_votes or patience_out or (trainer.checkpoint_every and
+                                                      p.step % trainer.checkpoint_every == 0):
                 path = save(p)
-                if done or stop_votes:
-                    return outcome(record, p, stop.name if stop_votes else None, path)
+                if done or stop_votes or patience_out:
+                    return outcome(record, p, stop.name if stop_votes else None, path, patience_out)
     return outcome(record, p, None, None)
 
 
-def outcome(record: StepLog, p: Progress, stopped_by: Optional[str], checkpoint: Optional[Path]) -> Outcome:
+def outcome(record: StepLog, p: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
+            early_stop: bool = False) -> Outcome:
     record.close()
-    return Outcome(p, record.seconds, record.samples, record.peak, stopped_by, checkpoint)
+    return Outcome(p, record.seconds, record.samples, record.peak, stopped_by, checkpoint, early_stop)
 
 
 def window_terms(c: Components, window: Window, batches: Iterator[Any]) -> tuple[int, Iterable[Any]]:
@@ -157,13 +165,27 @@ def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optio
     return skipped
 
 
-def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> None:
-    """Evaluate on the held-out split (every rank its share), log it, remember the best accuracy."""
+def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> bool:
+    """Evaluate on the held-out split (every rank its share), with the averaged weights too when trainer.ema is on;
+    log it; follow the monitored metric. True when this evaluation is the best so far."""
+    record = dict(step=p.step, epoch=p.last_epoch + 1, **measure(c, ""))
+    if c.ema is not None:
+        with c.ema.swapped_in(c.model):
+            record.update(measure(c, "_ema"))
+    metrics.write(record)
+    log.info(f"step {p.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
+             f"{record['val_acc']:.4f}" + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc "
+                                            f"{record['val_acc_ema']:.4f})" if c.ema is not None else ""))
+    value = record[c.monitor.metric]
+    if c.monitor.improves(value, p.best):
+        p.best, p.best_step, p.evals_since_best = value, p.step, 0
+        return True
+    p.evals_since_best += 1
+    return False
+
+
+def measure(c: Components, suffix: str) -> dict[str, float]:
+    """val_loss and val_acc (named with `suffix`) of the model's current weights over the whole held-out split."""
     sums = evaluate(c.wrapped, c.val_loader, c.device, c.precision, c.loss.ignore_index)
     loss_sum, correct, n = dist.all_reduce_sum(sums, c.world).tolist()
-    val_loss, val_acc = loss_sum / n, correct / n
-    epoch = p.last_epoch
-    metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
-    log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
-    if p.best_acc is None or val_acc > p.best_acc:
-        p.best_acc, p.best_step = val_acc, p.step
+    return {f"val_loss{suffix}": loss_sum / n, f"val_acc{suffix}": correct / n}

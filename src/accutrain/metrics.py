@@ -59,14 +59,15 @@ class ConsoleFormatter(logging.Formatter):
 
 
 def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
-                 best_acc: Optional[float], best_step: Optional[int], peak_mb: float = 0.0) -> str:
-    """The final line: steps and samples of the whole run; time and speed of this session (a resume is one)."""
+                 best: Optional[str], peak_mb: float = 0.0) -> str:
+    """The final line: steps and samples of the whole run; time and speed of this session (a resume is one); the
+    best evaluation of the monitored metric (`best`, said as Monitor.describe says it)."""
     rate = session_samples / seconds if seconds > 0 else float("nan")
     parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({rate:.0f} samples/s)"]
     if last_loss is not None:
         parts.append(f"last loss {last_loss:.4f}")
-    if best_acc is not None:
-        parts.append(f"best val_acc {best_acc:.4f} (step {best_step})")
+    if best is not None:
+        parts.append(best)
     if peak_mb:
         parts.append(f"peak memory {peak_mb:.0f} MiB")
     return ", ".join(parts)

@@ -19,13 +19,15 @@ class Progress:
     skipped: int = 0  # windows whose step was skipped for a non-finite loss or gradient
     oom_parts: int = 1  # each micro-batch is cut into this many, after out-of-memory errors
     last_loss: Optional[float] = None
-    best_acc: Optional[float] = None
+    best: Optional[float] = None  # the best value of the monitored metric (trainer.monitor) so far
     best_step: Optional[int] = None
+    evals_since_best: int = 0  # evaluations without improvement since (early stopping's patience)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "Progress":
-        """A checkpoint's `progress` (written by dataclasses.asdict; `split` is oom_parts' former name)."""
-        return cls(**{("oom_parts" if key == "split" else key): value for key, value in record.items()})
+        """A checkpoint's `progress` (written by dataclasses.asdict; former names: split, best_acc)."""
+        renamed = {"split": "oom_parts", "best_acc": "best"}
+        return cls(**{renamed.get(key, key): value for key, value in record.items()})
 
     @property
     def last_epoch(self) -> int:

@@ -19,7 +19,15 @@ def _fmt(value: Optional[float], digits: int) -> str:
 
 
 HEADER = ["job", "overrides", "effective batch", "micro_batch × accum × devices", "steps", "final loss",
-          "best val loss", "best val acc", "samples/s", "peak mem (MiB)", "wall (s)", "status"]
+          "best val loss", "best val acc", "samples/s", "peak mem (MiB)", "wall (s)", "best (monitored)", "status"]
+
+
+def _with_ema(value: Optional[float], ema: Optional[float]) -> str:
+    return _fmt(value, 4) + (f" (ema {_fmt(ema, 4)})" if ema is not None else "")
+
+
+def _monitored(r: RunRow) -> str:
+    return MISSING_VALUE if r.best is None else f"{r.monitor} {r.best:.4f} (step {r.best_step})"
 
 
 def table_cells(rows: list[RunRow]) -> list[list[str]]:
@@ -31,8 +39,9 @@ def table_cells(rows: list[RunRow]) -> list[list[str]]:
         cells.append([
             r.job, " ".join(o for o in r.overrides if o not in common) or MISSING_VALUE,
             MISSING_VALUE if r.effective is None else str(r.effective), split, str(r.steps),
-            _fmt(r.final_loss, 4), _fmt(r.best_val_loss, 4), _fmt(r.best_val_acc, 4), _fmt(r.samples_per_s, 0),
-            _fmt(r.peak_mem_mb, 0), _fmt(r.wall_s, 1), r.status,
+            _fmt(r.final_loss, 4), _with_ema(r.best_val_loss, r.best_val_loss_ema),
+            _with_ema(r.best_val_acc, r.best_val_acc_ema), _fmt(r.samples_per_s, 0), _fmt(r.peak_mem_mb, 0),
+            _fmt(r.wall_s, 1), _monitored(r), r.status,
         ])
     return cells
 
@@ -75,7 +84,9 @@ def markdown(rows: list[RunRow], root: Path, image: Optional[str]) -> str:
     if text := failures(rows):
         parts.append(text)
     parts.append("final loss: training loss of the last optimizer step (the window's sample-weighted mean); "
-                 "best val loss/acc: over the evaluations; samples/s: median over optimizer steps; "
+                 "best val loss/acc: over the evaluations (ema: of the averaged weights, with trainer.ema); "
+                 "best (monitored): trainer.monitor's best evaluation, the one checkpoints/best.pt holds; "
+                 "samples/s: median over optimizer steps; "
                  "peak mem: the largest `peak_mem_mb` in metrics.jsonl; wall: from start to end (or to now).")
     if image:
         parts.append(f"![training loss, peak memory and samples/s]({image})")
@@ -83,7 +94,8 @@ def markdown(rows: list[RunRow], root: Path, image: Optional[str]) -> str:
 
 
 CSV_FIELDS = ["job", "path", "overrides", "effective_batch", "micro_batch", "accum", "devices", "steps", "final_loss",
-              "best_val_loss", "best_val_acc", "samples_per_s", "peak_mem_mb", "wall_s", "status", "error"]
+              "best_val_loss", "best_val_acc", "best_val_loss_ema", "best_val_acc_ema", "monitor", "best", "best_step",
+              "samples_per_s", "peak_mem_mb", "wall_s", "status", "error"]
 
 
 def write_csv(rows: list[RunRow], path: Path) -> None:
@@ -95,7 +107,8 @@ def write_csv(rows: list[RunRow], path: Path) -> None:
             values = dict(job=r.job, path=str(r.path), overrides=" ".join(r.overrides), effective_batch=r.effective,
                           micro_batch=r.micro_batch, accum=r.accum, devices=r.devices, steps=r.steps,
                           final_loss=r.final_loss, best_val_loss=r.best_val_loss, best_val_acc=r.best_val_acc,
-                          samples_per_s=r.samples_per_s, peak_mem_mb=r.peak_mem_mb, wall_s=r.wall_s,
+                          best_val_loss_ema=r.best_val_loss_ema, best_val_acc_ema=r.best_val_acc_ema,
+                          monitor=r.monitor, best=r.best, best_step=r.best_step, samples_per_s=r.samples_per_s, peak_mem_mb=r.peak_mem_mb, wall_s=r.wall_s,
                           status=r.status, error=r.error)
             writer.writerow({k: "" if v is None else v for k, v in values.items()})
 

@@ -32,7 +32,7 @@ def checkpoint_state(c: Components, p: Progress) -> dict[str, Any]:
         model=c.model.state_dict(), optimizer=c.optimizer.state_dict(), scheduler=c.scheduler.state_dict(),
         scaler=c.precision.scaler.state_dict() if c.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=c.plan.record(), config=OmegaConf.to_container(c.cfg, resolve=True, enum_to_str=True),
-        step=p.step, epoch=p.epoch,
+        step=p.step, epoch=p.epoch, ema=c.ema.state_dict() if c.ema is not None else None, monitor=c.monitor.metric,
     )
 
 
@@ -81,6 +81,11 @@ def restore(c: Components, path: Path) -> Progress:
     if c.precision.scaler and state.get("scaler"):
         c.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
+    restore_ema(c, state, path)
+    if state.get("monitor", "val_acc") != c.monitor.metric:  # the best so far was of another metric
+        log.info(f"the checkpoint's run monitored {state.get('monitor', 'val_acc')}, this one {c.monitor.metric}: "
+                 "its best value and early-stopping patience start anew")
+        p.best, p.best_step, p.evals_since_best = None, None, 0
     split = (saved["micro_batch"], saved["accum"], saved["devices"])
     if split != (c.plan.micro_batch, c.plan.accum, c.plan.devices):
         log.info(f"resuming with micro_batch {c.plan.micro_batch} × accum {c.plan.accum} × devices {c.plan.devices} "
@@ -104,3 +109,11 @@ def keep_metrics_until(path: Path, step: int) -> None:
     if path.is_file():
         kept = [line for line, record in read_jsonl(path) if record.get("step", 0) <= step]
         path.write_text("".join(line + "\n" for line in kept))
+
+
+def restore_ema(c: Components, state: dict[str, Any], path: Path) -> None:
+    """The average of the weights from the checkpoint; a checkpoint without one starts it at the resumed weights."""
+    if c.ema is not None and state.get("ema") is not None:
+        c.ema.load_state_dict(state["ema"])
+    elif c.ema is not None:
+        log.info(f"{path} holds no average of the weights (trainer.ema was off): it starts at the resumed weights")

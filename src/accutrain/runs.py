@@ -42,6 +42,11 @@ class RunRow:
     final_loss: Optional[float] = None
     best_val_loss: Optional[float] = None
     best_val_acc: Optional[float] = None
+    best_val_loss_ema: Optional[float] = None  # the same of the averaged weights (trainer.ema)
+    best_val_acc_ema: Optional[float] = None
+    monitor: Optional[str] = None  # the monitored metric (trainer.monitor), its best value and that evaluation's step
+    best: Optional[float] = None
+    best_step: Optional[int] = None
     samples_per_s: Optional[float] = None
     peak_mem_mb: Optional[float] = None
     wall_s: Optional[float] = None
@@ -123,10 +128,14 @@ def read_run(run_dir: Path, job: str) -> RunRow:
         row.peak_mem_mb = max(peaks) if peaks else None
         row.curve = [(r.get("samples_seen", r["step"]), r["loss"]) for r in steps]
     seen_at = {r["step"]: r.get("samples_seen", r["step"]) for r in steps}
-    val_losses = [r["val_loss"] for r in evals if isinstance(r.get("val_loss"), (int, float))]
-    val_accs = [r["val_acc"] for r in evals if isinstance(r.get("val_acc"), (int, float))]
-    row.best_val_loss = min(val_losses) if val_losses else None
-    row.best_val_acc = max(val_accs) if val_accs else None
+    for suffix in ("", "_ema"):
+        losses = [r[f"val_loss{suffix}"] for r in evals if isinstance(r.get(f"val_loss{suffix}"), (int, float))]
+        accs = [r[f"val_acc{suffix}"] for r in evals if isinstance(r.get(f"val_acc{suffix}"), (int, float))]
+        setattr(row, f"best_val_loss{suffix}", min(losses) if losses else None)
+        setattr(row, f"best_val_acc{suffix}", max(accs) if accs else None)
+    best = (record or {}).get("best")
+    if isinstance(best, dict):
+        row.monitor, row.best, row.best_step = best.get("metric"), best.get("value"), best.get("step")
     row.val_curve = [(seen_at[r["step"]], r["val_loss"]) for r in evals if r["step"] in seen_at and "val_loss" in r]
     return row
 

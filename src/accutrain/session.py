@@ -38,8 +38,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     progress = restore(c, resume_from) if resume_from else Progress()
     rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
 
-    def save(p: Progress) -> Optional[Path]:
-        return save_checkpoint(c, p, rotation)
+    def save(p: Progress, best: bool = False) -> Optional[Path]:
+        return save_checkpoint(c, p, rotation, best)
 
     if world.main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -67,25 +67,33 @@ def agree_on_run_dir(run_dir: Path, world: World) -> Path:
     return main_dir
 
 
-def save_checkpoint(c: Components, p: Progress, rotation: checkpoint.Rotation) -> Optional[Path]:
-    """Every rank's state into rank 0's checkpoint (refused when the weights are not finite); every rank waits for
-    it to be on disk."""
+def save_checkpoint(c: Components, p: Progress, rotation: checkpoint.Rotation, best: bool = False) -> Optional[Path]:
+    """Every rank's state into rank 0's checkpoint (refused when the weights are not finite): the next step-*.pt of
+    the rotation, or best.pt; every rank waits for it to be on disk."""
     state = checkpoint_state(c, p)
     path = None
     if c.world.main:
         if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
             raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
                             f"(the last good one is {rotation.steps()[0] if rotation.steps() else 'none'})")
-        path = rotation.save(state, p.step)
+        path = rotation.save_best(state) if best else rotation.save(state, p.step)
     if c.world.size > 1:
         torch.distributed.barrier()  # no rank leaves before the checkpoint is on disk
     return path
 
 
 def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
-    p = out.progress
-    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, p.best_acc, p.best_step,
-                          out.peak_mb) + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+    p, monitor = out.progress, c.monitor
+    best = monitor.describe(p.best, p.best_step) if p.best is not None else None
+    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb)
+             + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+    if p.best is not None:
+        add_to_status(run_dir, best=dict(metric=monitor.metric, value=p.best, step=p.best_step,
+                                         checkpoint=str(run_dir / "checkpoints" / "best.pt")))
+    if out.early_stop:
+        log.info(f"early stopping after optimizer step {p.step} of {c.plan.total_steps}: {monitor.metric} has not "
+                 f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "
+                 f"checkpoint {out.checkpoint}")
     if out.stopped_by:
         log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
                     f"checkpoint {out.checkpoint}. Resume with the same command plus: resume=auto "

@@ -8,6 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config import LRScaling
 from accutrain.errors import UserError
+from accutrain.monitor import METRICS
 
 
 def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
@@ -62,3 +63,19 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optim.lr_scaling is not LRScaling.none and cfg.optim.base_batch is None:
         raise UserError(f"optim.lr_scaling={cfg.optim.lr_scaling.name} needs optim.base_batch, the effective batch "
                         f"optim.lr was tuned for (e.g. optim.base_batch=32)")
+    if t.ema is not None and not 0 < t.ema < 1:
+        raise UserError(f"trainer.ema={t.ema} is not valid: expected a decay between 0 and 1 (e.g. 0.999) or null")
+    if t.ema_device not in (None, "cpu"):
+        raise UserError(f"trainer.ema_device={t.ema_device} is not valid: expected cpu or null (beside the weights)")
+    if t.monitor not in METRICS:
+        raise UserError(f"trainer.monitor={t.monitor} is not valid: expected one of {', '.join(METRICS)}")
+    if t.monitor.endswith("_ema") and t.ema is None:
+        raise UserError(f"trainer.monitor={t.monitor} is never measured without an average of the weights: set "
+                        f"trainer.ema (e.g. trainer.ema=0.999) or monitor {t.monitor.removesuffix('_ema')}")
+    if t.monitor_mode not in (None, "min", "max"):
+        raise UserError(f"trainer.monitor_mode={t.monitor_mode} is not valid: expected min, max or null")
+    if t.early_stopping is not None and t.early_stopping < 1:
+        raise UserError(f"trainer.early_stopping={t.early_stopping} is not valid: expected a patience of 1 or more "
+                        "evaluations, or null")
+    if t.min_delta < 0:
+        raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
