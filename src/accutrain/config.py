@@ -207,6 +207,8 @@ class TrainerConfig:
     offload_grads: bool = False  # keep the accumulating gradients in (pinned) CPU memory between micro-batches
     memory_budget_mb: Optional[float] = None  # micro_batch=auto: the memory a trial step may peak at (CPU: needed)
     check: bool = False  # run accutrain-check's comparison on the first window before training
+    deterministic: bool = False  # deterministic cuDNN/cuBLAS algorithms: bit-identical resume on CUDA too
+    dist_timeout_s: float = 1800.0  # how long the other ranks wait for rank-0-only work (download, check, checkpoint)
 
 
 @dataclass
