@@ -25,7 +25,7 @@ from accutrain.precision import make_precision
 from accutrain.signals import StopRequest
 from accutrain.step import accumulate, make_loss
 from accutrain.targets import factory
-from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
+from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights,
                       train_here)
 from test_memory import OOM, OOM_MODEL
 
@@ -194,9 +194,9 @@ BF16_FP32 = [*OOM, "trainer.precision=bf16-true", "trainer.accum_dtype=float32",
 
 def test_auto_search_with_gradient_buffers_leaves_the_first_step_exact(oom_model):
     auto, log = train_here(oom_model, "runs/auto", *BF16_FP32, "micro_batch=auto", "global_batch=32",
-                           "trainer.memory_budget_mb=1000000", "trainer.max_steps=2")
+                           "trainer.memory_budget_mb=1000000", "trainer.max_steps=1")
     assert "16: does not fit" in log and "micro_batch 8 × accum 4" in log
-    plain, _ = train_here(oom_model, "plain", *BF16_FP32, "micro_batch=8", "accum=4", "trainer.max_steps=2")
+    plain, _ = train_here(oom_model, "plain", *BF16_FP32, "micro_batch=8", "accum=4", "trainer.max_steps=1")
     assert_same_weights(final_weights(auto), final_weights(plain))  # the trials' gradients went nowhere
 
 

@@ -126,7 +126,6 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, ba
         held = None
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                free_memory(device)
                 reset_peak(device)
                 held = buffers.build(model) if buffers else None
                 with precision.autocast():
@@ -148,6 +147,7 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, ba
             optimizer.zero_grad(set_to_none=True)
             optimizer.state.clear()
             model.load_state_dict(saved)
-            free_memory(device)
+            free_memory(device)  # for the next trial, and for training
 
+    free_memory(device)
     return fits
