@@ -34,6 +34,16 @@ TINY = ["debug=fast", "model.hidden=[32]"]
 TINY_DATA = ["debug=fast"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests skip, saying so, where no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m cuda on a GPU machine: scripts/gpu_check.sh)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def compose():
     """The config `accutrain <overrides>` would run with: compose(*overrides)."""

@@ -214,6 +214,8 @@ class TrainerConfig:
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
     early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
     min_delta: float = 0.0  # an improvement must exceed this to count
+    deterministic: bool = False  # deterministic cuDNN/cuBLAS algorithms: bit-identical resume on CUDA too
+    dist_timeout_s: float = 1800.0  # how long the other ranks wait for rank-0-only work (download, check, checkpoint)
 
 
 @dataclass

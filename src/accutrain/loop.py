@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from accutrain import dist, memory
+from accutrain import dist, memory, norms
 from accutrain.build import Components
 from accutrain.config import OnNonFinite
 from accutrain.errors import UserError
@@ -47,6 +47,9 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
     trainer, plan = c.cfg.trainer, c.plan
     params = [param for param in c.model.parameters() if param.requires_grad]
     record = StepLog(c, metrics, p)
+    c.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check, say)
+    if c.buffers:
+        c.buffers.clear()
     for epoch in range(p.epoch, plan.total_epochs):
         c.sampler.set_epoch(epoch, start_window=p.window)
         for window, batches in windows_of(c.loader):
@@ -140,7 +143,15 @@ def cut_after_oom(c: Components, p: Progress, window: Window, error: Exception) 
     count = sum(pieces(n, p.oom_parts) for n in window.sizes)
     log.warning(f"out of memory with micro-batches of {largest} at optimizer step {p.step + 1}: the window is "
                 f"re-split into {count} micro-batches of at most {max(-(-n // p.oom_parts) for n in window.sizes)}; "
-                f"the effective batch stays {c.plan.effective}")
+                f"the effective batch stays {c.plan.effective}" + twice_note(c.model))
+
+
+def twice_note(model: torch.nn.Module) -> str:
+    """What running a window again from its first micro-batch after an out-of-memory does twice, for the log."""
+    twice = (["BatchNorm's running statistics take those samples in twice"] if norms.batchnorm_layers(model, True)
+             else []) + (["dropout draws new masks (the random stream moves on)"] if norms.dropout_layers(model)
+                         else [])
+    return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
 
 
 def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optional[str]:

@@ -27,13 +27,15 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
     checkpoints/ go into run_dir."""
     device = dist.worker_device(device, world)
-    dist.init_process_group(world, device)
+    dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
     c = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
         result = check.run_check(c)
         for line in result.lines():
             (log.info if result.faithful else log.warning)(f"check: {line}")
+    if cfg.trainer.check:
+        dist.wait_for_main(world)  # the other ranks wait for rank 0's check, however long it takes
     resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
     progress = restore(c, resume_from) if resume_from else Progress()
     rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
@@ -77,8 +79,7 @@ def save_checkpoint(c: Components, p: Progress, rotation: checkpoint.Rotation, b
             raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
                             f"(the last good one is {rotation.steps()[0] if rotation.steps() else 'none'})")
         path = rotation.save_best(state) if best else rotation.save(state, p.step)
-    if c.world.size > 1:
-        torch.distributed.barrier()  # no rank leaves before the checkpoint is on disk
+    dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
     return path
 
 
