@@ -21,7 +21,7 @@ from accutrain.dist import World, count_devices, resolve_device
 from accutrain.errors import Preempted, UserError
 from accutrain.loop import Outcome
 from accutrain.session import train_rank
-from accutrain.signals import StopRequest
+from accutrain.signals import SIGNALS, StopRequest, signal_numbers
 from accutrain.validate import validate
 
 log = logging.getLogger("accutrain")
@@ -48,7 +48,7 @@ def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> 
         out = train_rank(World(), cfg, run_dir, device)
     else:
         log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
-        out = spawn(n, train_rank, (cfg, run_dir, device), log_config)
+        out = spawn(n, train_rank, (cfg, run_dir, device), log_config, signal_numbers(cfg.trainer.preempt_signals))
     if out is not None and out.stopped_by:
         raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
                                                         f"{out.progress.step}; checkpoint {out.checkpoint}")
@@ -115,12 +115,13 @@ def _worker(local_rank: int, job: _Job) -> None:
             dist.destroy_process_group()
 
 
-def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict]) -> Any:
+def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict],
+          signals: tuple[int, ...] = SIGNALS) -> Any:
     """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
 
     A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
-    with the failing rank's traceback. A SIGTERM or SIGINT to this process is passed on to the workers, which
-    stop together after their current optimizer step.
+    with the failing rank's traceback. One of `signals` (the preemption signals) sent to this process is passed on
+    to the workers, which stop together after their current optimizer step.
     """
     ctx = multiprocessing.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
@@ -132,10 +133,10 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
     def pass_on(signum: int) -> None:
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, signum)
 
     try:
-        with StopRequest(on_request=pass_on, announce=False):
+        with StopRequest(on_request=pass_on, announce=False, signals=signals):
             while not context.join():
                 pass
     except torch.multiprocessing.ProcessExitedException as e:
