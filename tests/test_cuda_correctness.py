@@ -292,7 +292,7 @@ def test_the_first_window_starts_from_zero_gradients(tmp_path):
                 p.grad = torch.full_like(p, 100.0)
         metrics = MetricsLog(tmp_path / f"{dirty}.jsonl")
         with StopRequest() as stop:
-            fit(c, metrics, Progress(), lambda p: None, stop)
+            fit(c, metrics, Progress(), lambda *a, **k: None, stop)
         metrics.close()
         return state_of(c.model)
 

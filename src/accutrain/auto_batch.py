@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import logging
 from pathlib import Path
@@ -35,9 +36,12 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     if device.type == "cpu" and budget is None:
         raise UserError("micro_batch=auto on the CPU needs trainer.memory_budget_mb=N: the peak memory (MiB) a "
                         "training step may reach, since the CPU has no out-of-memory error to detect")
-    if cfg.global_batch % world.size:
-        raise UserError(f"global_batch={cfg.global_batch} is not a multiple of devices {world.size}")
-    window = cfg.global_batch // world.size
+    schedule = cfg.get("batch_schedule")
+    total = math.gcd(*schedule.batch) if schedule is not None else cfg.global_batch  # what every window is made of
+    if total % world.size:
+        raise UserError(f"{'every batch_schedule.batch' if schedule is not None else 'global_batch'}={total} is not "
+                        f"a multiple of devices {world.size}")
+    window = total // world.size
     about = dict(model=OmegaConf.to_container(cfg.model, resolve=True), shape=datasets.sample_shape,
                  precision=precision.name, device=torch.cuda.get_device_name(device) if device.type == "cuda"
                  else "cpu", budget=budget, window=window, optim=cfg.optim._target_,

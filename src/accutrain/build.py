@@ -78,16 +78,15 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     plan = make_plan(
         micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
         train_size=len(datasets.train), last_window=trainer.last_window,
-        epochs=trainer.epochs, max_steps=trainer.max_steps,
+        epochs=trainer.epochs, max_steps=trainer.max_steps, schedule=cfg.get("batch_schedule"),
     )
     for line in plan.describe():
         log.info(line)
     log.info(data.describe_split_sizes(datasets))
-    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] = lr_scaling.scaled_lr(*scaling)
-    if line := lr_scaling.describe(*scaling):
-        log.info(line)
+    for group in optimizer.param_groups:  # optim.lr_scaling applies at each optimizer step, for its window's batch
+        group["lr"] = group["initial_lr"] = cfg.optim.lr
+    if line := lr_scaling.describe(cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch):
+        log.info(line + ("; each window's scheduled batch scales its own step" if plan.schedule else ""))
     make_scheduler, sched_kwargs = factory("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
 

@@ -37,6 +37,17 @@ class LastWindow(enum.Enum):
     drop = "drop"  # drop it
 
 
+class ScheduleUnit(enum.Enum):
+    samples = "samples"  # batch_schedule.at counts samples seen
+    epochs = "epochs"  # … epochs (× the training set)
+    fraction = "fraction"  # … a fraction of the run's training samples (trainer.epochs × the training set)
+
+
+class Ramp(enum.Enum):
+    linear = "linear"  # interpolate between the points
+    step = "step"  # hold each batch until the next point
+
+
 class LRScaling(enum.Enum):
     none = "none"  # optim.lr as given
     linear = "linear"  # optim.lr × effective batch / optim.base_batch (the linear scaling rule)
@@ -216,6 +227,18 @@ class TrainerConfig:
     min_delta: float = 0.0  # an improvement must exceed this to count
     deterministic: bool = False  # deterministic cuDNN/cuBLAS algorithms: bit-identical resume on CUDA too
     dist_timeout_s: float = 1800.0  # how long the other ranks wait for rank-0-only work (download, check, checkpoint)
+    # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
+    # under submitit the job is then requeued and resumes).
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+
+
+# --- batch_schedule/ -------------------------------------------------------------------------------------
+@dataclass
+class BatchScheduleConfig:
+    at: List[float] = MISSING  # where each point begins, in `unit`; ascending, the first 0
+    batch: List[int] = MISSING  # the effective batch from each point on (multiples of micro_batch × devices)
+    unit: ScheduleUnit = ScheduleUnit.fraction
+    ramp: Ramp = Ramp.linear
 
 
 @dataclass
@@ -234,6 +257,7 @@ class TrainConfig:
     global_batch: Any = None
     seed: int = 0
     resume: Optional[str] = None  # a checkpoint path, or auto: the newest good one in this run directory
+    batch_schedule: Optional[BatchScheduleConfig] = None  # the effective batch by samples seen; null: fixed
 
 
 SCHEMAS = {
@@ -251,6 +275,7 @@ SCHEMAS = {
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,
     ("sched", "cosine_schema"): CosineSched,
+    ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
 }
 
 

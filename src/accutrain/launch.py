@@ -21,7 +21,7 @@ from accutrain.errors import Preempted, UserError
 from accutrain.loop import Outcome
 from accutrain.seeding import deterministic_algorithms
 from accutrain.session import train_rank
-from accutrain.signals import StopRequest
+from accutrain.signals import SIGNALS, StopRequest, signal_numbers
 from accutrain.validate import validate
 
 log = logging.getLogger("accutrain")
@@ -59,7 +59,8 @@ def _train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict]) -> Option
     if n == 1:
         return train_rank(World(), cfg, run_dir, device)
     log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
-    return spawn(n, train_rank, (cfg, run_dir, device), log_config, cfg.trainer.deterministic)
+    return spawn(n, train_rank, (cfg, run_dir, device), log_config, cfg.trainer.deterministic,
+                 signal_numbers(cfg.trainer.preempt_signals))
 
 
 def torchrun_world() -> Optional[World]:
@@ -124,12 +125,12 @@ def _worker(local_rank: int, job: _Job) -> None:
 
 
 def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict],
-          deterministic: bool = False) -> Any:
+          deterministic: bool = False, signals: tuple[int, ...] = SIGNALS) -> Any:
     """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
 
     A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
-    with the failing rank's traceback. A SIGTERM or SIGINT to this process is passed on to the workers, which
-    stop together after their current optimizer step.
+    with the failing rank's traceback. One of `signals` (the preemption signals) sent to this process is passed on
+    to the workers, which stop together after their current optimizer step.
     """
     ctx = multiprocessing.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
@@ -141,10 +142,10 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
     def pass_on(signum: int) -> None:
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, signum)
 
     try:
-        with StopRequest(on_request=pass_on, announce=False):
+        with StopRequest(on_request=pass_on, announce=False, signals=signals):
             while not context.join():
                 pass
     except torch.multiprocessing.ProcessExitedException as e:

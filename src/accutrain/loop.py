@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from accutrain import dist, memory, norms
+from accutrain import dist, lr_scaling, memory, norms
 from accutrain.build import Components
 from accutrain.config import OnNonFinite
 from accutrain.errors import UserError
@@ -64,8 +64,9 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
             # One small all-reduce: the window's loss summed over every rank, and whether any rank was signalled.
             loss_sum, stop_votes = dist.all_reduce_sum(torch.tensor(
                 [loss_sum.item(), stop.signum is not None], dtype=torch.float64, device=c.device), c.world).tolist()
-            loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"]
-            skipped = optimizer_step(c, loss, norm, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
+            lr_factor = lr_scaling.scaled_lr(1.0, window.batch, c.cfg.optim.lr_scaling, c.cfg.optim.base_batch)
+            loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"] * lr_factor
+            skipped = optimizer_step(c, loss, norm, lr_factor, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
             if c.ema is not None and skipped is None:
                 c.ema.update(c.model)  # the average moves with the optimizer step, only when one was taken
             c.optimizer.zero_grad(set_to_none=True)
@@ -154,9 +155,10 @@ def twice_note(model: torch.nn.Module) -> str:
     return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
 
 
-def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optional[str]:
-    """Step the optimizer and the scheduler (and the GradScaler) once for the window, or say why not:
-    `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed lowers its scale)."""
+def optimizer_step(c: Components, loss: float, norm: float, lr_factor: float, where: str) -> Optional[str]:
+    """Step the optimizer (its learning rates × lr_factor, the window's batch scaling) and the scheduler (and the
+    GradScaler) once for the window, or say why not: `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or
+    `amp_overflow` (16-mixed lowers its scale)."""
     scaler, skipped = c.precision.scaler, None
     if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
         skipped = "nonfinite"
@@ -166,10 +168,11 @@ def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optio
     elif not math.isfinite(norm):
         skipped = "amp_overflow"  # inf/NaN in the scaled gradients: the scaler skips the step
     else:
-        if scaler:
-            scaler.step(c.optimizer)
-        else:
-            c.optimizer.step()
+        with lr_scaling.window_lr(c.optimizer, lr_factor):
+            if scaler:
+                scaler.step(c.optimizer)
+            else:
+                c.optimizer.step()
         c.scheduler.step()
     if scaler:
         scaler.update()

@@ -18,7 +18,7 @@ from accutrain.metrics import MetricsLog, summary_line
 from accutrain.progress import Progress
 from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
 from accutrain.run_status import add_to_status
-from accutrain.signals import StopRequest
+from accutrain.signals import StopRequest, signal_numbers
 
 log = logging.getLogger("accutrain")
 
@@ -51,7 +51,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None)
     metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
     try:
-        with StopRequest(announce=world.main) as stop:
+        with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
             out = fit(c, metrics, progress, save, stop)
     finally:
         metrics.close()
@@ -89,7 +89,7 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
     if p.best is not None:
-        add_to_status(run_dir, best=dict(metric=monitor.metric, value=p.best, step=p.best_step,
+        add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
                                          checkpoint=str(run_dir / "checkpoints" / "best.pt")))
     if out.early_stop:
         log.info(f"early stopping after optimizer step {p.step} of {c.plan.total_steps}: {monitor.metric} has not "

@@ -34,7 +34,7 @@ class StepLog:
         rate = window.size / (time.perf_counter() - self.t0)
         epoch = p.last_epoch
         record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
-                      samples=window.size, micro_batches=micro_batches, lr=lr,
+                      samples=window.size, effective=window.batch, micro_batches=micro_batches, lr=lr,
                       grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
                       time=time.perf_counter() - self.began, peak_mem_mb=round(memory.peak_mb(c.device), 1))
         self.peak = max(self.peak, record["peak_mem_mb"])
