@@ -8,9 +8,9 @@ import torch
 from accutrain.config import LastWindow, compose
 from accutrain.errors import UserError
 from accutrain.plan import make_plan
-from conftest import (TINY, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics, train_here,
-                      train_run)
-from test_resume import RUN, assert_identical, slow, start, wait_for_steps  # noqa: F401 (slow is a fixture)
+from conftest import (RUN, TINY, assert_identical, assert_one_line_user_error, assert_same_weights, final_weights,
+                      read_metrics, start, train_here, train_run, wait_for_steps)
+
 
 # 117 samples, 3 epochs: the ramp 16 → 64 over the first half of the 351 samples, in multiples of 16.
 RAMP = ["batch_schedule=ramp", "batch_schedule.batch=[16,64]", "batch_schedule.at=[0,0.5]"]
