@@ -163,7 +163,7 @@ def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> None:
     loss_sum, correct, n = dist.all_reduce_sum(sums, c.world).tolist()
     val_loss, val_acc = loss_sum / n, correct / n
     epoch = p.last_epoch
-    metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
+    metrics.evaluation(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
     log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
     if p.best_acc is None or val_acc > p.best_acc:
         p.best_acc, p.best_step = val_acc, p.step
