@@ -111,18 +111,20 @@ def test_every_tracker_holds_the_steps_of_metrics_jsonl_and_a_resume_continues_t
     runs = tmp_path / "runs"
     runs.mkdir()
     shutil.copy(mlflow_template, runs / "mlflow.db")  # the default store: the run directory's parent
-    args = [*RUN, "logger=many", "trainer.checkpoint_every=3"]
+    args = [*RUN, "trainer.checkpoint_every=3"]
     began = time.time()
-    run_dir, log = train_here(runs, "run", *args)
+    run_dir, log = train_here(runs, "run", *args, "logger=[tensorboard,mlflow,wandb]")
     first = json.loads((run_dir / "trackers.json").read_text())
     assert "tensorboard: event files in" in log and "mlflow: run" in log and "wandb: offline run" in log
-    # A run killed after step 8 whose newest checkpoint is step 6: the resume replays steps 7 and 8.
+    # A run killed after step 8 whose newest checkpoint is step 6: the resume replays steps 7 and 8. It adds the
+    # csv tracker, which gets steps 1-6 from metrics.jsonl.
     for name in ("step-00000008.pt", "last.pt"):
         (run_dir / "checkpoints" / name).unlink()
     time.sleep(max(0.0, began + 1.1 - time.time()))  # W&B names a run's offline segment by its start second
-    _, log = train_here(runs, "run", *args, "resume=auto")
+    _, log = train_here(runs, "run", *args, "logger=many", "resume=auto")
     assert "resumed from" in log and "at optimizer step 6" in log and "stopped logging" not in log
-    assert json.loads((run_dir / "trackers.json").read_text()) == first  # the same tracker runs
+    again = json.loads((run_dir / "trackers.json").read_text())
+    assert {k: again[k] for k in first} == first and "csv" in again  # the same tracker runs
 
     steps, evals = read_metrics(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 9)) and [r["step"] for r in evals] == [4, 8]
@@ -165,7 +167,7 @@ def test_every_tracker_holds_the_steps_of_metrics_jsonl_and_a_resume_continues_t
     assert_points([(s, newest[s]["val/loss"]) for s in sorted(newest) if "val/loss" in newest[s]], val)
     assert newest[8]["loss_plot/_type"] == "image-file"
 
-    # CSV: metrics.jsonl's records as rows, the killed session's steps 7 and 8 replaced.
+    # CSV, added by the resumed session: metrics.jsonl's records as rows, every step.
     rows = csv_rows(run_dir / "metrics.csv")
     assert_points([(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]], losses)
     assert_points([(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]], val)

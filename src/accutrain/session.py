@@ -61,7 +61,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     finally:
         metrics.close()
     if world.main:
-        trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out)
+        trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
+                        out.peak_mb)
         say_how_it_ended(c, out, run_dir)
     return out
 

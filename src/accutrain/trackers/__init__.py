@@ -20,7 +20,6 @@ from accutrain.targets import factory
 from accutrain.trackers.base import RunEnd, RunInfo, Tracker, flatten, scalars
 
 if TYPE_CHECKING:
-    from accutrain.loop import Outcome
     from accutrain.plan import BatchPlan
     from accutrain.progress import Progress
 
@@ -64,18 +63,16 @@ class Trackers:
         assert self.run_dir is not None
         config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "plan": plan.record()}
         group, job = sweep_of(self.run_dir)
-        saved = read_saved(self.run_dir) if resumed else {}
-        overrides = read_overrides(self.run_dir)
-        name = " ".join([self.run_dir.name, *overrides])[:128]
-        kept = {}
+        saved = read_saved(self.run_dir) if resumed else {}  # kept for a tracker that does not start this time
+        name = " ".join([self.run_dir.name, *read_overrides(self.run_dir)])[:128]
+        params = flatten(config)
         for key in list(self.active):
-            run = RunInfo(self.run_dir, name, group, job, config, flatten(config), step, resumed,
-                          saved.get(key, {}))
+            run = RunInfo(self.run_dir, name, group, job, config, params, step, resumed, saved.get(key, {}))
             state = self._call(key, "start", run)
             if key in self.active:
-                kept[key] = state or {}
+                saved[key] = state or {}
         try:
-            write_atomic(self.run_dir / SAVED_FILE, json.dumps(kept, indent=1) + "\n")
+            write_atomic(self.run_dir / SAVED_FILE, json.dumps(saved, indent=1, default=str) + "\n")
         except OSError as e:
             log.warning(f"could not write {self.run_dir / SAVED_FILE} ({e}): a resume will start new tracker runs")
 
@@ -91,13 +88,15 @@ class Trackers:
         for key in list(self.active):
             self._call(key, "flush")
 
-    def finish(self, status: str, p: "Progress", out: Optional["Outcome"] = None) -> None:
-        """The end of this session: `completed`, `interrupted` or `failed`; out is None when training raised."""
+    def finish(self, status: str, p: "Progress", seconds: Optional[float] = None, samples: int = 0,
+               peak_mb: float = 0.0) -> None:
+        """The end of this session: `completed`, `interrupted` or `failed`, where the run is, and when training got
+        to its end, this session's time, samples and peak memory."""
         if not self.active:
             return
         from accutrain.report import write_loss_plot
 
-        end = RunEnd(status, summary(p, out), write_loss_plot(self.run_dir, status))
+        end = RunEnd(status, summary(p, seconds, samples, peak_mb), write_loss_plot(self.run_dir, status))
         for key in list(self.active):
             self._call(key, "finish", end)
         self.active.clear()
@@ -121,20 +120,21 @@ def describe(error: BaseException) -> str:
         text = str(e).strip().splitlines()
         return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
-    root = error
-    while (root.__cause__ or root.__context__) is not None:
+    root, seen = error, {id(error)}
+    while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in seen:
         root = root.__cause__ or root.__context__
+        seen.add(id(root))
     return line(error) + (f"; caused by {line(root)}" if root is not error else "")
 
 
-def summary(p: "Progress", out: Optional["Outcome"]) -> dict[str, float]:
+def summary(p: "Progress", seconds: Optional[float], samples: int, peak_mb: float) -> dict[str, float]:
     """The final summary as numbers: the run's steps, samples, last loss, best evaluation, skipped windows, and this
     session's time, speed and peak memory when it trained to its end."""
     values: dict[str, Any] = dict(steps=p.step, samples_seen=p.samples, last_loss=p.last_loss,
                                   best_val_acc=p.best_acc, best_step=p.best_step, skipped=p.skipped)
-    if out is not None:
-        values.update(seconds=out.seconds, samples_per_s=out.samples / out.seconds if out.seconds > 0 else None,
-                      peak_mem_mb=out.peak_mb or None)
+    if seconds is not None:
+        values.update(seconds=seconds, samples_per_s=samples / seconds if seconds > 0 else None,
+                      peak_mem_mb=peak_mb or None)
     return {k: float(v) for k, v in values.items() if v is not None}
 
 
@@ -156,12 +156,10 @@ def sweep_of(run_dir: Path) -> tuple[Optional[str], Optional[int]]:
         return None, None
     if str(hydra.get("mode")) != "MULTIRUN":
         return None, None
-    job = hydra.get("job", {}).get("num")
+    num = (hydra.get("job") or {}).get("num")
+    job = num if isinstance(num, int) else None
     for folder in run_dir.resolve().parents:
         if (folder / "multirun.yaml").is_file():
-            try:
-                where = folder.relative_to(Path.cwd().resolve())
-            except ValueError:
-                where = folder
-            return where.as_posix(), job if isinstance(job, int) else None
-    return None, job if isinstance(job, int) else None
+            cwd = Path.cwd().resolve()
+            return (folder.relative_to(cwd) if folder.is_relative_to(cwd) else folder).as_posix(), job
+    return None, job

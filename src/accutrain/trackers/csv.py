@@ -20,12 +20,8 @@ class CSV(Tracker):
 
     def start(self, run: RunInfo) -> dict[str, Any]:
         self.path = run.run_dir / self.filename
-        rows: list[dict[str, str]] = []
-        if run.resumed and self.path.is_file():  # keep the rows up to the checkpoint, as metrics.jsonl does
-            with open(self.path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.columns = list(reader.fieldnames or [])
-                rows = [r for r in reader if r.get("step", "").isdigit() and int(r["step"]) <= run.step]
+        rows = list(run.history()) if run.resumed else []  # a resumed run: the rows up to its checkpoint, again
+        self.columns = list(dict.fromkeys(key for row in rows for key in row))
         self._rewrite(rows)
         return {"path": str(self.path)}
 

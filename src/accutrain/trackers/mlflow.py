@@ -59,6 +59,8 @@ class MLflow(Tracker):
             self.stored = 0
             self._params(run.params, resumed=False)
             client.log_batch(self.run_id, tags=[RunTag(LAST_STEP_TAG, "0")])
+        for record in run.history() if run.resumed else ():
+            self._add(record)  # the steps up to the checkpoint that the store lacks (none, unless it lost some)
         self.last_step, self.sent_at = run.step, time.monotonic()
         log.info(f"mlflow: run {self.run_id} in experiment {self.experiment_name(run)!r} at {uri}"
                  + (f" (view: mlflow ui --backend-store-uri {uri})" if db else ""))

@@ -32,10 +32,11 @@ class TensorBoard(Tracker):
         # Steps after run.step that an earlier session wrote (killed after its checkpoint) are dropped by the readers.
         self.writer = self.make_writer(str(where), purge_step=run.step + 1, flush_secs=self.flush_secs)
         self.params, self.step = run.params, run.step
-        if not (run.resumed and run.saved):
+        if not (run.resumed and run.saved):  # a new TensorBoard run (if resumed, with the steps so far)
             self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(run.config, sort_keys=False) + "```", 0)
-        view = where.parent if run.group else where
-        log.info(f"tensorboard: event files in {where} (view: tensorboard --logdir {view})")
+            for record in run.history() if run.resumed else ():
+                self._scalars(record)
+        log.info(f"tensorboard: event files in {where} (view: tensorboard --logdir {run.group or where})")
         return {"log_dir": str(where)}
 
     def log_step(self, record: dict[str, Any]) -> None:
