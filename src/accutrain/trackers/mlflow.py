@@ -36,8 +36,6 @@ class MLflow(Tracker):
         self.last_step, self.sent_at = 0, time.monotonic()
 
     def start(self, run: RunInfo) -> dict[str, Any]:
-        from mlflow.entities import RunTag
-
         # MLflow logs each failing SQL call with a long traceback; the tracker's one warning line says it instead.
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         uri = self.tracking_uri or f"sqlite:///{(run.run_dir.parent / 'mlflow.db').resolve()}"
@@ -46,19 +44,19 @@ class MLflow(Tracker):
         with creating(db):  # parallel jobs must not both create the store's tables
             experiment_id = self._experiment(run, db)
         saved = run.saved if run.saved.get("tracking_uri") == uri else {}
-        self.run_id = saved.get("run_id", "")
-        if self.run_id and self._exists():
+        earlier = self._earlier_run(saved.get("run_id"))
+        if earlier is not None:  # continue it
+            self.run_id, experiment_id = earlier.info.run_id, earlier.info.experiment_id
             client.update_run(self.run_id, status="RUNNING")
-            self.stored = int(client.get_run(self.run_id).data.tags.get(LAST_STEP_TAG, 0))
-            self._params(run.params, resumed=True)
+            self.stored = int(earlier.data.tags.get(LAST_STEP_TAG, 0))
+            self._params(run.params, earlier.data.params)
         else:
-            tags = {"accutrain.run_dir": str(run.run_dir.resolve()), **self.tags}
+            tags = {"accutrain.run_dir": str(run.run_dir.resolve()), LAST_STEP_TAG: "0", **self.tags}
             if run.group is not None:
                 tags.update({"accutrain.sweep": run.group, "accutrain.job": str(run.job)})
             self.run_id = client.create_run(experiment_id, run_name=self.run_name or run.name, tags=tags).info.run_id
             self.stored = 0
-            self._params(run.params, resumed=False)
-            client.log_batch(self.run_id, tags=[RunTag(LAST_STEP_TAG, "0")])
+            self._params(run.params, {})
         for record in run.history() if run.resumed else ():
             self._add(record)  # the steps up to the checkpoint that the store lacks (none, unless it lost some)
         self.last_step, self.sent_at = run.step, time.monotonic()
@@ -86,26 +84,30 @@ class MLflow(Tracker):
                 raise
             return found.experiment_id
 
-    def _exists(self) -> bool:
+    def _earlier_run(self, run_id: Optional[str]) -> Any:
+        """The MLflow run of this run directory's earlier session, if it is still there."""
+        if not run_id:
+            return None
         try:
-            return self.client.get_run(self.run_id).info.lifecycle_stage == "active"
+            earlier = self.client.get_run(run_id)
         except Exception:
-            log.info(f"mlflow: run {self.run_id} of the earlier session is gone: a new run starts")
-            return False
+            earlier = None
+        if earlier is None or earlier.info.lifecycle_stage != "active":
+            log.info(f"mlflow: run {run_id} of the earlier session is gone: a new run starts")
+            return None
+        return earlier
 
-    def _params(self, params: dict[str, Any], resumed: bool) -> None:
-        """The config as parameters. MLflow's parameters never change: a resumed run adds the new ones only and
-        says which kept their first value."""
+    def _params(self, params: dict[str, Any], old: dict[str, str]) -> None:
+        """The config as parameters. MLflow's parameters never change: a resumed run adds the new ones only (`old`:
+        those it has) and says which kept their first value."""
         from mlflow.entities import Param
 
         values = {k: str(v) for k, v in params.items()}
-        if resumed:
-            old = self.client.get_run(self.run_id).data.params
-            changed = sorted(k for k in values if k in old and old[k] != values[k])
-            if changed:
-                log.info("mlflow: parameters keep the values of the run's first session: "
-                         + ", ".join(f"{k} ({old[k]}, now {values[k]})" for k in changed[:10]))
-            values = {k: v for k, v in values.items() if k not in old}
+        changed = sorted(k for k in values if k in old and old[k] != values[k])
+        if changed:
+            log.info("mlflow: parameters keep the values of the run's first session: "
+                     + ", ".join(f"{k} ({old[k]}, now {values[k]})" for k in changed[:10]))
+        values = {k: v for k, v in values.items() if k not in old}
         items = [Param(k, v) for k, v in values.items()]
         for i in range(0, len(items), MAX_PARAMS):
             self.client.log_batch(self.run_id, params=items[i:i + MAX_PARAMS])
