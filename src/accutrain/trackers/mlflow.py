@@ -40,8 +40,8 @@ class MLflow(Tracker):
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         uri = self.tracking_uri or f"sqlite:///{(run.run_dir.parent / 'mlflow.db').resolve()}"
         db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
-        self.client = client = self.client_class(tracking_uri=uri)
-        with creating(db):  # parallel jobs must not both create the store's tables
+        with creating(db):  # the client creates a new store's tables: parallel jobs must not both do it
+            self.client = client = self.client_class(tracking_uri=uri)
             experiment_id = self._experiment(run, db)
         saved = run.saved if run.saved.get("tracking_uri") == uri else {}
         earlier = self._earlier_run(saved.get("run_id"))
