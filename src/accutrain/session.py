@@ -30,7 +30,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     device = dist.worker_device(device, world)
     dist.init_process_group(world, device)
     run_dir = agree_on_run_dir(run_dir, world)
-    trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library is one line, now
+    trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     c = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
         result = check.run_check(c)
