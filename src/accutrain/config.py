@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig
@@ -197,6 +197,47 @@ class LossConfig:
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
 
 
+# --- logger/ -------------------------------------------------------------------------------------------
+# `logger` maps a name to a tracker (accutrain.trackers); every key but `_target_` is a keyword argument of it.
+@dataclass
+class TrackerConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class CSVTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.csv.CSV"
+    filename: str = "metrics.csv"  # in the run directory
+
+
+@dataclass
+class TensorBoardTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.tensorboard.TensorBoard"
+    log_dir: Optional[str] = None  # null: the run directory itself; a relative path is taken inside it
+    flush_secs: int = 30  # the event file is written at least this often (and before every checkpoint)
+
+
+@dataclass
+class MLflowTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.mlflow.MLflow"
+    tracking_uri: Optional[str] = None  # null: sqlite:///<the run directory's parent>/mlflow.db
+    experiment: Optional[str] = None  # null: the sweep's directory for a sweep's job, else "accutrain"
+    run_name: Optional[str] = None  # null: the run directory's name and the overrides
+    tags: Dict[str, str] = field(default_factory=dict)
+    flush_secs: float = 10.0  # metrics are sent at least this often (and before every checkpoint, and at the end)
+
+
+@dataclass
+class WandBTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.wandb.WandB"
+    project: Optional[str] = None  # null: WANDB_PROJECT, else accutrain
+    entity: Optional[str] = None  # null: WANDB_ENTITY, else your default entity (online)
+    mode: Optional[str] = None  # offline | online | disabled; null: WANDB_MODE, else offline
+    group: Optional[str] = None  # null: the sweep's directory for a sweep's job
+    name: Optional[str] = None  # null: the run directory's name and the overrides
+    tags: List[str] = field(default_factory=list)
+
+
 # --- trainer and the top level ------------------------------------------------------------------------
 @dataclass
 class TrainerConfig:
@@ -248,6 +289,7 @@ class TrainConfig:
     optim: Any = MISSING
     sched: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
+    logger: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
     # OmegaConf, explains a bad value (see validate).
@@ -276,6 +318,10 @@ SCHEMAS = {
     ("sched", "constant_schema"): ConstantSched,
     ("sched", "cosine_schema"): CosineSched,
     ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
+    ("logger", "csv_schema"): CSVTracker,
+    ("logger", "tensorboard_schema"): TensorBoardTracker,
+    ("logger", "mlflow_schema"): MLflowTracker,
+    ("logger", "wandb_schema"): WandBTracker,
 }
 
 
@@ -285,6 +331,7 @@ OWN_KEYS = {
     "data": ("_target_", "num_workers"),
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
+    "logger": ("_target_",),  # each logger.<name> is a tracker; its other keys are its keyword arguments
 }
 
 

@@ -186,7 +186,7 @@ def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> bool:
     if c.ema is not None:
         with c.ema.swapped_in(c.model):
             record.update(measure(c, "_ema"))
-    metrics.write(record)
+    metrics.evaluation(record)
     log.info(f"step {p.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
              f"{record['val_acc']:.4f}" + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc "
                                             f"{record['val_acc_ema']:.4f})" if c.ema is not None else ""))

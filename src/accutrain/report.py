@@ -157,13 +157,15 @@ def write_report(root: Path, rows: Optional[list[RunRow]] = None) -> Report:
     return Report(rows, "\n\n".join(p for p in parts if p), files)
 
 
-def write_loss_plot(run_dir: Path) -> Optional[Path]:
-    """Draw run_dir/loss.png from its metrics.jsonl when it has any step; never raises (a warning instead)."""
+def write_loss_plot(run_dir: Path, status: Optional[str] = None) -> Optional[Path]:
+    """Draw run_dir/loss.png from its metrics.jsonl when it has any step; never raises (a warning instead). `status`
+    titles it when status.json does not have the outcome yet."""
     from accutrain import plots  # matplotlib is imported only when a plot is drawn
 
     out = run_dir / "loss.png"
     try:
         row = read_run(run_dir, run_dir.name)
+        row.status = status or row.status
         if not row.curve:
             return None
         plots.plot_run(row, out)

@@ -19,6 +19,7 @@ from accutrain.progress import Progress
 from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
 from accutrain.run_status import add_to_status
 from accutrain.signals import StopRequest, signal_numbers
+from accutrain.trackers import Trackers
 
 log = logging.getLogger("accutrain")
 
@@ -29,6 +30,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     device = dist.worker_device(device, world)
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
+    trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     c = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
         result = check.run_check(c)
@@ -41,6 +43,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
 
     def save(p: Progress, best: bool = False) -> Optional[Path]:
+        trackers.flush()  # a resume from this checkpoint finds in the trackers every step up to it
         return save_checkpoint(c, p, rotation, best)
 
     if world.main:
@@ -48,14 +51,20 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         if resume_from:
             keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
         add_to_status(run_dir, plan=c.plan.record())
-    metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None)
+        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
     metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
     try:
         with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
             out = fit(c, metrics, progress, save, stop)
+    except BaseException as e:
+        trackers.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", progress)
+        raise
     finally:
         metrics.close()
     if world.main:
+        trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
+                        out.peak_mb)
         say_how_it_ended(c, out, run_dir)
     return out
 

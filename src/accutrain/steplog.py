@@ -51,7 +51,7 @@ class StepLog:
                 f"{c.precision.scaler.get_scale():g}" if skipped == "amp_overflow" else
                 f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
                 f"dropped, no optimizer step ({p.skipped} skipped so far)"))
-        self.metrics.write(record)
+        self.metrics.step(record)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
         self.bar.update()
         if p.step % c.cfg.trainer.log_every == 0:
