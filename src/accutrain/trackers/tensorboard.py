@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 from typing import Any, Optional
 
 import yaml
