@@ -17,8 +17,7 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 
 from accutrain.errors import UserError
 from accutrain.trackers import Trackers
-from conftest import TINY, TINY_DATA, read_metrics, run_cli, train_here, train_run
-from test_resume import SLOW_MODEL, start, wait_for_steps
+from conftest import SLOW_MODEL, TINY, TINY_DATA, read_metrics, run_cli, start, train_here, train_run, wait_for_steps
 
 # 100 samples in windows of 32: 4 optimizer steps per epoch (the last window of 4 samples), 8 over two epochs.
 SPLIT = ["data.size=100", "micro_batch=16", "accum=2"]
