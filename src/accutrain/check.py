@@ -19,14 +19,16 @@ from omegaconf import DictConfig
 from torch import nn
 
 from accutrain import memory
+from accutrain.batches import Batch, as_batch
 from accutrain.build import Components, build
 from accutrain.dist import World, count_devices, resolve_device
 from accutrain.norms import REMEDIES, batchnorm_layers
+from accutrain.pitfalls import dropout_layers
 from accutrain.plan import derive_accum
 from accutrain.precision import tolerance
-from accutrain.step import SummedLoss, accumulate, count_terms
+from accutrain.step import SummedLoss, accumulate
 from accutrain.validate import validate
-from accutrain.windows import WindowSampler
+from accutrain.windows import MicroBatch, WindowSampler
 
 
 @dataclass
@@ -77,11 +79,15 @@ def components_for_check(cfg: DictConfig) -> Components:
     return build(cfg, World(), device)
 
 
-def window_batches(c: Components) -> list[tuple[torch.Tensor, ...]]:
-    """The run's first window (epoch 0), cut into micro-batches of the configured size, every device's share."""
+def window_batches(c: Components) -> tuple[list[Batch], Batch]:
+    """The run's first window (epoch 0), cut into micro-batches of the configured size (every device's share),
+    and as one batch (padded to its longest sample, for data padded per micro-batch)."""
     sampler = WindowSampler(c.plan, c.cfg.seed)  # rank 0 of 1: every device's micro-batches, in turn
     sampler.set_epoch(0)
-    return [tuple(c.loader.dataset.__getitems__(micro_batch)[1]) for micro_batch in next(sampler.windows())]
+    micro_batches = next(sampler.windows())
+    whole = MicroBatch([i for micro_batch in micro_batches for i in micro_batch], micro_batches[0].window)
+    return ([c.loader.dataset.__getitems__(micro_batch)[1] for micro_batch in micro_batches],
+            c.loader.dataset.__getitems__(whole)[1])
 
 
 def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
@@ -109,12 +115,12 @@ def run_check(c: Components) -> Check:
     """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched."""
     device, loss = c.device, c.loss
     precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
-    micro = window_batches(c)
+    micro, whole = window_batches(c)
     accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
 
-    big = [tuple(torch.cat(parts) for parts in zip(*micro))]
-    per_element = big[0][1].dim() > 1
-    reference_terms = count_terms(big, per_element, loss.ignore_index)  # the big batch's mean
+    big = [whole]
+    per_element = whole.target.dim() > 1
+    reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
     try:
         reference, where = _gradient(c, c.model, big, reference_terms, device, precision, loss), str(device)
     except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU
@@ -124,33 +130,34 @@ def run_check(c: Components) -> Check:
         cpu = copy.deepcopy(c.model).to("cpu", torch.float64)
         fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
                                    param_dtype=torch.float64)
-        reference = _gradient(c, cpu, [tuple(t.double() if t.is_floating_point() else t for t in big[0])],
+        reference = _gradient(c, cpu, [whole.apply(lambda t: t.double() if t.is_floating_point() else t)],
                               reference_terms, torch.device("cpu"), fp64, loss)
         where = "the CPU in float64 (the window does not fit the device)"
 
     groups: dict[str, list[str]] = defaultdict(list)
+    depth = wrapper_depth(list(accumulated))
     for name in accumulated:
-        groups[name.split(".")[0]].append(name)
+        groups[name.split(".")[depth]].append(name)  # its top-level module below the wrappers
     per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
                  for g, names in groups.items()}
     overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
-    check = Check(len(big[0][1]), c.plan.micro_batch, len(micro), precision.name, per_group, overall,
+    check = Check(len(whole), c.plan.micro_batch, len(micro), precision.name, per_group, overall,
                   tolerance(precision.name), where)
-    check.causes = causes(c.model, micro, big[0], c.plan.micro_batch, check, loss.elements, per_element)
+    check.causes = causes(c.model, micro, whole, c.plan.micro_batch, check, loss.elements, per_element)
     return check
 
 
-def _dropout_layers(model: nn.Module) -> list[str]:
-    found = []
-    for name, m in model.named_modules():
-        p = getattr(m, "p", 0)
-        if m.training and isinstance(p, float) and p > 0 and ("dropout" in type(m).__name__.lower()
-                                                              or type(m).__name__ == "StochasticDepth"):
-            found.append(name)
-    return found
+def wrapper_depth(names: list[str]) -> int:
+    """How many leading module names every parameter shares: the wrappers around the model proper (a Hugging Face
+    model in accutrain's adapter, `model.transformer.…`, is grouped by `wte`, `h`, `ln_f`, … below them)."""
+    split = [n.split(".")[:-1] for n in names]
+    depth = 0
+    while split and all(len(parts) > depth and parts[depth] == split[0][depth] for parts in split):
+        depth += 1
+    return depth
 
 
-def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: Check, elements: bool,
+def causes(model: nn.Module, micro: list[Batch], big: Batch, micro_batch: int, check: Check, elements: bool,
            per_element: bool) -> list[str]:
     """What in the model and loss makes (or could make) the accumulated step differ from the big batch's."""
     found = []
@@ -159,12 +166,12 @@ def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: C
         found.append(f"{len(norms)} BatchNorm layers in training mode: each normalises a micro-batch of "
                      f"{micro_batch} samples with that micro-batch's statistics, not the window's {check.window}. "
                      f"Remedies: {REMEDIES}")
-    dropout = _dropout_layers(model)
+    dropout = dropout_layers(model)
     if dropout:
         found.append(f"{len(dropout)} dropout layers in training mode ({', '.join(dropout[:4])}"
                      f"{', …' if len(dropout) > 4 else ''}): their random masks depend on how the window is cut; "
                      "the step matches the big batch's in distribution, not draw for draw")
-    probe = micro[0] if len(micro[0][0]) >= 2 else tuple(t[:2] for t in big)  # a micro-batch: it fits
+    probe = micro[0] if len(micro[0]) >= 2 else big.head(2)  # a micro-batch: it fits
     try:
         others = [n for n in batch_dependent_modules(model, probe) if n not in norms]
     except Exception as e:
@@ -183,19 +190,18 @@ def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: C
 
 
 @torch.no_grad()
-def batch_dependent_modules(model: nn.Module, batch: tuple) -> list[str]:
+def batch_dependent_modules(model: nn.Module, batch: Batch | tuple) -> list[str]:
     """Modules whose output for the first half of a batch changes when the second half is left out (each run on
     its own recorded input, dropout off); only the innermost such modules are named."""
     probe = copy.deepcopy(model).to("cpu", torch.float32)
-    for name in _dropout_layers(probe):
+    for name in dropout_layers(probe):
         probe.get_submodule(name).eval()
-    x = batch[0].to("cpu")
-    x = x.float() if x.is_floating_point() else x
-    n, recorded = len(x), {}
+    batch = as_batch(batch).apply(lambda t: t.to("cpu").float() if t.is_floating_point() else t.to("cpu"))
+    n, recorded = len(batch.target), {}
     hooks = [m.register_forward_hook(functools.partial(_record, recorded, name), with_kwargs=True)
              for name, m in probe.named_modules() if name]
     try:
-        probe(x)
+        batch.forward(probe)
     finally:
         for hook in hooks:
             hook.remove()

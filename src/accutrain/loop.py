@@ -159,11 +159,13 @@ def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optio
 
 def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> None:
     """Evaluate on the held-out split (every rank its share), log it, remember the best accuracy."""
-    sums = evaluate(c.wrapped, c.val_loader, c.device, c.precision, c.loss.ignore_index)
+    sums = evaluate(c.wrapped, c.val_loader, c.device, c.precision, c.loss)
     loss_sum, correct, n = dist.all_reduce_sum(sums, c.world).tolist()
     val_loss, val_acc = loss_sum / n, correct / n
     epoch = p.last_epoch
-    metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc))
-    log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}")
+    ppl = dict(val_ppl=math.exp(min(val_loss, 700))) if c.loss.elements else {}  # perplexity, per token
+    metrics.write(dict(step=p.step, epoch=epoch + 1, val_loss=val_loss, val_acc=val_acc, **ppl))
+    log.info(f"step {p.step} (epoch {epoch + 1}): val_loss {val_loss:.4f}  val_acc {val_acc:.4f}"
+             + (f"  val_ppl {ppl['val_ppl']:.4g}" if ppl else ""))
     if p.best_acc is None or val_acc > p.best_acc:
         p.best_acc, p.best_step = val_acc, p.step

@@ -53,6 +53,10 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
             out = fit(c, metrics, progress, save, stop)
     finally:
         metrics.close()
+    if world.main and cfg.trainer.export == "hf" and not out.stopped_by:
+        from accutrain.hf import export
+
+        log.info(f"exported with save_pretrained to {export(c.model, c.tokenizer, run_dir / 'hf')}")
     if world.main:
         say_how_it_ended(c, out, run_dir)
     return out

@@ -47,6 +47,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
     if t.accum_dtype not in (None, "float32"):
         raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
+    if t.get("export") not in (None, "hf"):
+        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
     if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.model.get("norm_groups", 1) < 1:
