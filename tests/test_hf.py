@@ -328,6 +328,9 @@ def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch, com
     with pytest.raises(UserError) as info:
         hf.load("AutoModelForCausalLM")
     assert_one_line_user_error(info.value, "+model.config.model_type=gpt2")
+    with pytest.raises(UserError) as info:
+        hf.load("AutoModelForCausalLM", config={"model_type": "gpt2", "n_layers": 2})
+    assert_one_line_user_error(info.value, "model.config.n_layers: GPT2Config has no such key (did you mean n_layer?)")
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(UserError) as info:
         hf.load("AutoModelForSequenceClassification", config={"model_type": "gpt2"})

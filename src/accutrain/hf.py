@@ -5,6 +5,7 @@ mean per micro-batch). transformers is imported here only, when one of these mod
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import os
@@ -91,9 +92,14 @@ def causal_lm(num_classes: int, **kwargs: Any) -> HFCausalLM:
                            **kwargs))
 
 
-def seq_cls(num_classes: int, **kwargs: Any) -> HFSeqCls:
-    """model=hf_seq_cls: AutoModelForSequenceClassification with a head of the data's `num_classes`."""
-    return HFSeqCls(load("AutoModelForSequenceClassification", num_labels=num_classes, **kwargs))
+def seq_cls(num_classes: int, class_names: Optional[list[str]] = None, **kwargs: Any) -> HFSeqCls:
+    """model=hf_seq_cls: AutoModelForSequenceClassification with a head of the data's `num_classes` (named by
+    `class_names` in the exported config's id2label)."""
+    model = load("AutoModelForSequenceClassification", num_labels=num_classes, **kwargs)
+    if class_names:
+        model.config.id2label = dict(enumerate(class_names))
+        model.config.label2id = {name: i for i, name in enumerate(class_names)}
+    return HFSeqCls(model)
 
 
 def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool = True,
@@ -126,6 +132,10 @@ def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool =
     if random_init and vocab_size and "vocab_size" not in overrides:
         overrides["vocab_size"] = vocab_size  # the data's tokenizer
     for key, value in overrides.items():
+        if not hasattr(hf_config, key):  # a config takes any attribute: a misspelt key would do nothing
+            close = difflib.get_close_matches(key, list(hf_config.to_dict()), n=1)
+            raise UserError(f"model.config.{key}: {type(hf_config).__name__} has no such key"
+                            + (f" (did you mean {close[0]}?)" if close else ""))
         setattr(hf_config, key, value)
     if num_labels is not None:
         hf_config.num_labels = num_labels

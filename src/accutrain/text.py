@@ -181,5 +181,6 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
     task = "language modelling" + (", packed" if packing else "") if lm else f"{num_classes} classes"
     return Datasets(splits[0], splits[1], num_classes, (max_length,),
                     f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})",
-                    extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id),
+                    extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                               **({} if lm else dict(class_names=names))),
                     collate=collate, tokenizer=tok, classes="tokens in the vocabulary" if lm else "classes")
