@@ -267,7 +267,7 @@ def test_classes_last_is_caught_also_when_the_length_equals_the_class_count():
     assert_one_line_user_error(info.value, "classes are last", "transpose(1, 2)", "checked again on 5 positions")
 
 
-def test_a_model_output_object_and_any_probe_exception_are_one_line(files):
+def test_a_model_output_object_and_any_probe_exception_are_one_line():
     example = BatchFormat(PadCollate({}))([dict(input_ids=torch.arange(4), labels=torch.tensor(1))] * 2)
     with pytest.raises(UserError) as info:
         build_model({"_target_": f"{__name__}.bare_gpt2"}, (4,), 3, example=example)
@@ -316,7 +316,7 @@ def seeded(seed):
     return data
 
 
-def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch, compose, files):
+def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch):
     from accutrain import hf
 
     with pytest.raises(UserError) as info:
