@@ -207,6 +207,7 @@ class TrainerConfig:
     offload_grads: bool = False  # keep the accumulating gradients in (pinned) CPU memory between micro-batches
     memory_budget_mb: Optional[float] = None  # micro_batch=auto: the memory a trial step may peak at (CPU: needed)
     check: bool = False  # run accutrain-check's comparison on the first window before training
+    overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from accutrain.errors import UserError
+from accutrain.errors import UserError, one_line
 from accutrain.targets import factory as target_and_args
 
 
@@ -142,8 +142,10 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
     kwargs.update({k: v for k, v in from_data.items() if takes_any or k in params})
     try:
         model = factory(**kwargs)
-    except TypeError as e:
-        raise UserError(f"model._target_={cfg['_target_']}: {e}") from None
+    except TypeError as e:  # most often a keyword argument it does not take
+        raise UserError(f"model._target_={cfg['_target_']}: {e}") from e
+    except Exception as e:  # the user's model failing in __init__: one line here, its traceback in train.log
+        raise UserError(f"the model {cfg['_target_']} raised {one_line(e)} while being built") from e
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
     x, y = example if example is not None else (torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
@@ -152,10 +154,13 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
     try:
         with torch.no_grad():
             out = model(x)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise UserError(f"the model does not take {shape} inputs ({first}); choose a model for this input size or "
-                        "other data") from None
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if type(e) is RuntimeError and any(word in first for word in ("shape", "size", "channels", "dimension")):
+            raise UserError(f"the model does not take {shape} inputs ({first}); choose a model for this input size "
+                            "or other data") from e
+        raise UserError(f"the model {cfg['_target_']} raised {one_line(e)} in forward, on a batch of {len(x)} {shape} "
+                        "inputs") from e
     model.train()
     expected = (len(x), num_classes, *y.shape[1:])  # per sample, or per element in cross_entropy's layout
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
