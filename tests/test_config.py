@@ -79,13 +79,15 @@ def test_synthetic_seed_follows_the_run_seed_unless_set(compose):
 
 @pytest.mark.parametrize("argv, fragments", [
     (["foo=1"], ["foo=1: the config has no key 'foo'; its keys are: model, data,", "micro_batch"]),
-    (["model.foo=1"], ["model.foo=1: model=resnet18 has no key 'foo'", "pretrained", "keys of your own need model=custom"]),
+    (["model.foo=1"], ["model.foo=1: model=resnet18 has no key 'foo'", "pretrained",
+                       "keys of your own need model=custom"]),
     (["trainer.epochs=abc"], ["trainer.epochs=abc is not valid: expected an integer or null"]),
     (["trainer.last_window=keep"], ["trainer.last_window=keep is not valid: expected one of step, drop"]),
     (["optim.lr_scaling=cubic"], ["optim.lr_scaling=cubic is not valid: expected one of none, linear, sqrt"]),
     (["model=nosuch"], ["model=nosuch: model has no option 'nosuch'; the options are: char_lm, cnn,", "custom"]),
     (["+trainer.epoch=3"], ["+trainer.epoch=3: trainer has no key 'epoch' (did you mean trainer.epochs?)"]),
-    (["+loss.normalise=tokens"], ["+loss.normalise=tokens: loss has no key 'normalise' (did you mean loss.normalize?)"]),
+    (["+loss.normalise=tokens"], ["+loss.normalise=tokens: loss has no key 'normalise'",
+                                  "(did you mean loss.normalize?)"]),
     (["model=mlp", "+model.depth=4"], ["+model.depth=4: model=mlp has no key 'depth'", "need model=custom"]),
     (["+foo=1"], ["+foo=1: the config has no key 'foo'"]),
     (["micro_batch=4,8"], ["micro_batch=4,8 gives several values: add -m"]),

@@ -91,7 +91,8 @@ class FailsInForward(nn.Module):
 
 
 @pytest.mark.parametrize("target, message", [
-    ("broken.fails_to_build", "the model broken.fails_to_build raised ValueError: no such layer size while being built"),
+    ("broken.fails_to_build",
+     "the model broken.fails_to_build raised ValueError: no such layer size while being built"),
     ("broken.FailsInForward", "the model broken.FailsInForward raised NotImplementedError: forward is not written yet "
                               "in forward, on a batch of 2 1×8×8 inputs"),
 ])

@@ -23,9 +23,9 @@ SKIPPED = {
     "torchrun --nnodes 2": "needs several machines",
     "accutrain data=cifar10": "downloads CIFAR-10: needs the internet",
     "accutrain -m hydra/launcher=slurm_gpu": "needs a SLURM cluster with GPUs",
-    "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: tests/test_sweeps.py"
-                                          "::test_joblib_launcher_runs_jobs_in_parallel_and_writes_the_summary runs "
-                                          "this launcher through the command line",
+    "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: "
+                                          "tests/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
+                                          "writes_the_summary runs this launcher through the command line",
     "accutrain -m devices=1,2": "spawns worker processes again, as `accutrain devices=2 micro_batch=8 accum=2` above "
                                 "(tests/test_ddp.py compares devices=2 with devices=1)",
     "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in the README)",

@@ -126,7 +126,7 @@ def before_hydra(prog: str, **checks: bool) -> None:
     """The command line checked before Hydra runs it (accutrain.command); a mistake is one line and exit code 2."""
     sys.argv[1:] = expand_home(sys.argv[1:])
     try:
-        check(sys.argv[1:], prog=prog, **checks)
+        sys.argv += check(sys.argv[1:], prog=prog, **checks)  # Hydra then uses the output directory checked
     except UserError as e:
         rank = "" if not torchrun_secondary() else f"[rank {os.environ['RANK']}] "
         print(f"{rank}{prog}: error: {one_line(e)}", file=sys.stderr)

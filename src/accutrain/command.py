@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from argparse import Namespace
 from contextlib import contextmanager
@@ -27,8 +28,8 @@ SCHEMA_SUFFIX = "_schema"
 
 
 def expand_home(argv: list[str]) -> list[str]:
-    """`key=~/data` → `key=/home/me/data`, as the shell does for `~` at the start of a word: bash leaves it alone after
-    `data.root=` (not a shell variable name), and Hydra's override grammar rejects it."""
+    """`key=~/data` → `key=/home/me/data`, as the shell does for `~` at the start of a word: bash leaves it alone
+    after `data.root=` (not a shell variable name), and Hydra's override grammar rejects it."""
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
@@ -150,17 +151,32 @@ def make_output_dir(path: Path, key: str) -> None:
         raise UserError(f"cannot create the output directory {path} ({key}): {e.strerror or e}") from None
 
 
-def check_run(cfg: DictConfig, task: DictConfig, decide: bool) -> None:
+SAFE_PATH = re.compile(r"[\w./:+-]+")
+
+
+def output_dir(cfg: DictConfig, mode: str, pins: list[str]) -> Path:
+    """hydra.<mode>.dir as it resolves now. One computed from interpolations (the default's ${now:…}) is pinned:
+    `hydra.<mode>.dir=<it>` is added to `pins`, for the command line Hydra runs, so that Hydra, resolving it again a
+    second later, uses the very directory checked here."""
+    raw = str(OmegaConf.to_container(cfg.hydra[mode], resolve=False)["dir"])
+    value = str(cfg.hydra[mode].dir)
+    if "${" in raw and SAFE_PATH.fullmatch(value):
+        pins.append(f"hydra.{mode}.dir={value}")
+    return Path(value).expanduser()
+
+
+def check_run(cfg: DictConfig, task: DictConfig, decide: bool, pins: list[str]) -> None:
     """A single run: the values and the machine (launch.preflight), then — in the process that decides — its run
     directory: not an earlier run's (unless continued or replaced), writable, its log file too."""
     from accutrain.launch import preflight
 
-    run_dir = Path(str(cfg.hydra.run.dir)).expanduser()
-    if decide and run_dir.is_dir():
+    if not decide:
+        preflight(task)
+        return
+    run_dir = output_dir(cfg, "run", pins)
+    if run_dir.is_dir():
         rundir.check_reuse(run_dir, task)
     preflight(task)
-    if not decide:
-        return
     make_output_dir(run_dir, "hydra.run.dir")
     has_log = OmegaConf.select(cfg, "hydra.job_logging.handlers.file") is not None
     rundir.check_writable(run_dir, run_dir / f"{cfg.hydra.job.name}.log" if has_log else None)
@@ -168,13 +184,13 @@ def check_run(cfg: DictConfig, task: DictConfig, decide: bool) -> None:
         rundir.writable(run_dir / str(cfg.hydra.output_subdir), "Hydra's record of the config")
 
 
-def check_sweep(hydra: Any, base: DictConfig, decide: bool) -> None:
+def check_sweep(hydra: Any, base: DictConfig, decide: bool, pins: list[str]) -> None:
     """A multirun: every job composes with known keys (its values are checked when it runs: a job failing is
     recorded and the sweep goes on); the sweep directory can be written and holds no earlier sweep's runs unless
     they are continued (resume=auto) or replaced (trainer.overwrite=true)."""
-    sweep_dir = Path(str(base.hydra.sweep.dir)).expanduser()
+    sweep_dir = output_dir(base, "sweep", pins) if decide else Path(str(base.hydra.sweep.dir)).expanduser()
     earlier = []
-    for num, overrides, cfg in job_configs(hydra, base):
+    for _, overrides, cfg in job_configs(hydra, base):
         task = task_config(cfg, overrides)
         job_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
         if not decide or not job_dir.is_dir():
@@ -193,16 +209,17 @@ def check_sweep(hydra: Any, base: DictConfig, decide: bool) -> None:
         rundir.writable(sweep_dir, "the sweep's jobs")
 
 
-def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str = "accutrain") -> None:
+def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str = "accutrain") -> list[str]:
     """Check the command `prog argv` before Hydra runs it; print --version or --help and exit. decide: this process
     decides about the run directory (not torchrun's other ranks); run: the command trains (not accutrain-check).
-    Raises UserError."""
+    Returns the overrides to add for Hydra to use the output directory checked here. Raises UserError."""
     if "--version" in argv:
         print(f"{prog} {__version__}")
         sys.exit(0)
     args = parse(argv)
+    pins: list[str] = []
     if args.config_path is not None or args.experimental_rerun is not None or args.hydra_help:
-        return  # Hydra's own business
+        return pins  # Hydra's own business
     with hydra_instance(args) as hydra:
         if args.help:
             print_help(hydra, args, prog)
@@ -210,16 +227,14 @@ def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str =
         multirun = args.multirun and run
         base = compose(hydra, args, list(args.overrides), multirun)
         if args.info or args.shell_completion:
-            return  # Hydra prints something and runs nothing
-        if args.cfg:
-            task_config(base, list(args.overrides))  # --cfg prints the config: one with a typo in it is refused
-            return
+            return pins  # Hydra prints something and runs nothing
         if multirun:
-            check_sweep(hydra, base, decide)
+            check_sweep(hydra, base, decide, pins)
         else:
-            task = task_config(base, list(args.overrides))
-            if run:
-                check_run(base, task, decide)
+            task = task_config(base, list(args.overrides))  # --cfg prints the config: one with a typo is refused
+            if run and not args.cfg:
+                check_run(base, task, decide, pins)
+    return pins
 
 
 def group_options(hydra: Any) -> dict[str, list[str]]:

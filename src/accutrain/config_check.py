@@ -131,7 +131,8 @@ def explain_value(cause: OmegaConfBaseException, overrides: list[str], choices: 
             return unknown_key(shown or full_key, full_key, known, choices)
         path, _, key = full_key.rpartition(".")
         value = shown.split("=", 1)[1] if shown and "=" in shown else "…"
-        return f"{shown or full_key}: {node_name(path, choices)} has no key {key!r} yet: add it with +{full_key}={value}"
+        return (f"{shown or full_key}: {node_name(path, choices)} has no key {key!r} yet: add it with "
+                f"+{full_key}={value}")
     if isinstance(cause, ValidationError):
         hint = field_type(kind, cause.key)
         if schema_keys(hint) is not None:

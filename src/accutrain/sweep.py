@@ -13,8 +13,9 @@ from omegaconf import DictConfig
 
 
 def summarise(sweep_dir: Path) -> Optional[tuple[int, int]]:
-    """Print the table and write summary.md, summary.csv, summary.png into sweep_dir; (failed jobs, jobs) (None when the summary could not be made: the jobs recorded their outcome, so a failing summary must not hide
-    it). Printed rather than logged: after in-process jobs the root logger still writes into the last job's log."""
+    """Print the table and write summary.md, summary.csv, summary.png into sweep_dir; (failed jobs, jobs), or None
+    when the summary could not be made (the jobs recorded their outcome, so a failing summary must not hide it).
+    Printed rather than logged: after in-process jobs the root logger still writes into the last job's log."""
     from accutrain.report import write_report
     from accutrain.runs import collect
 
