@@ -4,6 +4,7 @@ cannot be written mid-run keeps the previous one and the run goes on."""
 import errno
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from accutrain import checkpoint, rundir
 from accutrain.command import check
 from accutrain.errors import UserError
-from conftest import TINY, assert_one_line_error, captured_log, read_metrics, train_here, train_run
+from conftest import (ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics, train_here,
+                      train_run)
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=3", "trainer.checkpoint_every=1"]
 
@@ -31,9 +33,8 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
     assert again.returncode == 2
     assert_one_line_error(again, f"{run_dir} (hydra.run.dir) holds an earlier run (status completed, 3 optimizer steps",
                           "resume=auto to continue it", "trainer.overwrite=true", "a new hydra.run.dir")
-    _, typo = train_run(tmp_path, "base", *QUICK, "resume=auto", "micro_batch=0", check=False)
-    assert typo.returncode == 2
-    assert_one_line_error(typo, "micro_batch=0 is not valid")
+    with pytest.raises(UserError, match="micro_batch=0 is not valid"):  # a typo, even with resume=auto
+        check([*QUICK, "resume=auto", "micro_batch=0", f"hydra.run.dir={run_dir}"])
     assert snapshot(run_dir) == before
 
 
@@ -86,19 +87,38 @@ def test_a_sweep_into_a_used_sweep_directory_is_refused_unless_resumed(tmp_path)
     check([*argv, "resume=auto"])
 
 
-def test_an_unwritable_checkpoints_folder_or_log_is_one_line_before_training(tmp_path):
-    """Item 2: found at start, not at the first checkpoint write after all the training; and Hydra's train.log that
-    cannot be opened is one line, not a 32-line logging traceback."""
-    (tmp_path / "ckpt" ).mkdir()
+def test_an_unwritable_checkpoints_folder_or_log_is_found_before_training(tmp_path):
+    """Item 2: found when the command is checked, not at the first checkpoint write after all the training; and
+    Hydra's train.log that cannot be opened is refused before Hydra opens it (the command line's one line and exit
+    code 2 are proven by test_a_read_only_run_directory_is_one_line)."""
+    (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "checkpoints").write_text("a file in the way")
-    _, proc = train_run(tmp_path, "ckpt", *QUICK, check=False)
-    assert proc.returncode == 2
-    assert_one_line_error(proc, f"cannot write checkpoints into {tmp_path / 'ckpt' / 'checkpoints'}: it is a file")
-    assert not (tmp_path / "ckpt" / "metrics.jsonl").exists()
+    with pytest.raises(UserError, match=f"cannot write checkpoints into {tmp_path / 'ckpt' / 'checkpoints'}: it is "
+                                        "a file, not a directory"):
+        check([*QUICK, f"hydra.run.dir={tmp_path / 'ckpt'}"])
     (tmp_path / "log" / "train.log").mkdir(parents=True)  # an existing run directory whose log cannot be written
-    _, proc = train_run(tmp_path, "log", *QUICK, check=False)
+    with pytest.raises(UserError, match=f"cannot write the log file {tmp_path / 'log' / 'train.log'}: Is a directory"):
+        check([*QUICK, f"hydra.run.dir={tmp_path / 'log'}"])
+
+
+def test_a_read_only_run_directory_is_one_line(tmp_path):
+    """Item 2: Hydra would open train.log there first and print a 32-line logging traceback. Read-only for real:
+    permission bits for a user, a read-only bind mount (in a mount namespace of its own) for root."""
+    run_dir = tmp_path / "ro"
+    run_dir.mkdir()
+    command = [*cli_command(), *QUICK, f"hydra.run.dir={run_dir}"]
+    if os.geteuid() != 0:
+        run_dir.chmod(0o555)
+    elif subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0:
+        command = ["unshare", "-m", "sh", "-c", f'mount --bind "{run_dir}" "{run_dir}" && '
+                   f'mount -o remount,bind,ro "{run_dir}" "{run_dir}" && exec "$0" "$@"', *command]
+    else:
+        pytest.skip("root without mount namespaces: no way to make a directory read-only here")
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **ONE_THREAD})
     assert proc.returncode == 2
-    assert_one_line_error(proc, f"cannot write the log file {tmp_path / 'log' / 'train.log'}: Is a directory")
+    assert_one_line_error(proc, f"cannot write the run's files into {run_dir}:")
+    assert len((proc.stdout + proc.stderr).strip().splitlines()) == 1
 
 
 def test_a_full_disk_is_found_at_start(tmp_path, monkeypatch):
