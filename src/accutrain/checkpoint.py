@@ -25,6 +25,7 @@ log = logging.getLogger("accutrain")
 
 FORMAT = 1
 STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -37,11 +38,17 @@ def load(path: Path) -> dict[str, Any]:
     """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line."""
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != ZIP_MAGIC:  # torch.save writes zip archives; a cut one still starts like one
+        raise UserError(f"{path} is not a checkpoint: " + ("it is empty" if not head else
+                        "torch.save writes zip archives and this file is not one (expected a .pt file from a run's "
+                        "checkpoints/)"))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0]
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
+        if any(mark in str(e) for mark in ("Unsupported global", "Unsupported class", "GLOBAL")):
             raise UserError(f"refusing to load {path}: it holds pickled code or objects, not only tensors and "
                             f"plain values ({first[:160]})") from None
         raise UserError(f"{path} is corrupt: {first[:160]}") from None
@@ -70,13 +77,17 @@ class Rotation:
         path = self.directory / f"step-{step:08d}.pt"
         save_atomic(state, path)
         last, tmp = self.directory / "last.pt", self.directory / ".last.pt.tmp"
-        tmp.unlink(missing_ok=True)
         try:
-            os.link(path, tmp)  # last.pt is the same file, swapped in atomically
-        except OSError:
-            save_atomic(state, tmp)
-        os.replace(tmp, last)
-        fsync_dir(self.directory)
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(path, tmp)  # last.pt is the same file, swapped in atomically
+            except OSError:
+                save_atomic(state, tmp)
+            os.replace(tmp, last)
+            fsync_dir(self.directory)
+        except BaseException:  # a full disk, an I/O error: no temporary file left behind; the step file is whole
+            tmp.unlink(missing_ok=True)
+            raise
         for old in self.steps()[self.keep :]:
             old.unlink(missing_ok=True)
         return path
