@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accutrain.batches import Batch, as_batch, stand_in_guard
+from accutrain.compiled import eager
 from accutrain.config import Normalize
 from accutrain.precision import Precision, make_precision
 
@@ -118,7 +119,7 @@ def accumulate(
             batch = following  # nothing to synchronise here: no forward needed
             continue
         with no_sync() if following is not None else nullcontext(), (  # one gradient all-reduce per window
-                stand_in_guard(model, device) if batch.stand_in else nullcontext()):
+                stand_in_guard(model, device) if batch.stand_in else nullcontext()), eager(model, len(batch)):
             batch = batch.to(device)
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
@@ -157,14 +158,15 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)
-    for batch in loader:
-        batch = as_batch(batch).to(device)
-        with precision.autocast():
-            logits = batch.forward(model, precision.inputs)
-        y = loss.target(batch.target)
-        counted = y != loss.ignore_index
-        sums[0] += summed_cross_entropy(logits, y, loss.ignore_index).double()
-        sums[1] += ((logits.argmax(1) == y) & counted).sum()
-        sums[2] += counted.sum()
+    with eager(model):  # a compiled model too: its evaluation would be one more graph
+        for batch in loader:
+            batch = as_batch(batch).to(device)
+            with precision.autocast():
+                logits = batch.forward(model, precision.inputs)
+            y = loss.target(batch.target)
+            counted = y != loss.ignore_index
+            sums[0] += summed_cross_entropy(logits, y, loss.ignore_index).double()
+            sums[1] += ((logits.argmax(1) == y) & counted).sum()
+            sums[2] += counted.sum()
     model.train(was_training)
     return sums

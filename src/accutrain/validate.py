@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain import compiled
 from accutrain.config import LRScaling
 from accutrain.errors import UserError
 from accutrain.monitor import METRICS
@@ -97,6 +98,7 @@ def validate(cfg: DictConfig) -> None:
                         "evaluations, or null")
     if t.min_delta < 0:
         raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
+    compiled.check_settings(t)
     for name in t.preempt_signals:
         if name not in signal.Signals.__members__ or name in UNCATCHABLE:
             raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
