@@ -135,7 +135,8 @@ def main() -> None:
     gpu = f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
     print(f"machine: {platform.processor() or platform.machine()}{gpu}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, MALLOC_ARENA_MAX="
-          f"{os.environ.get('MALLOC_ARENA_MAX', '-')} MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', '-')}")
+          f"{os.environ.get('MALLOC_ARENA_MAX', '-')} "
+          f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', '-')}")
     print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed; "
           f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     hand, ours = [], []
