@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import mmap
 import os
 import re
 import resource
@@ -28,10 +29,12 @@ class _PeakRSS:
     through a descriptor kept open; the peak is getrusage's ru_maxrss where this kernel resets it too (checked once),
     else VmHWM read from a kept-open /proc/self/status. A few µs per optimizer step instead of opening files."""
 
+    PROBE = 32 * 2**20  # the check's short-lived peak
+
     def __init__(self) -> None:
         self.clear_refs: Optional[int] = self._open("/proc/self/clear_refs", os.O_WRONLY)
         self.status: Optional[int] = self._open("/proc/self/status", os.O_RDONLY)
-        self.rusage_follows = self.reset() and self._vm_hwm_kib() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.rusage_follows: Optional[bool] = None  # known at the first reading
 
     @staticmethod
     def _open(path: str, flags: int) -> Optional[int]:
@@ -53,9 +56,23 @@ class _PeakRSS:
         found = re.search(rb"VmHWM:\s+(\d+) kB", os.pread(self.status, 4096, 0))
         return int(found.group(1)) if found else None
 
+    def _rusage_follows(self) -> bool:
+        """Whether ru_maxrss drops with a reset, as VmHWM does (Linux ≥ 4.0 resets both; some kernels only VmHWM):
+        a short-lived peak above the current RSS, a reset, then both compared (within the kernel's per-CPU slack)."""
+        probe = mmap.mmap(-1, self.PROBE)
+        probe.write(bytes(self.PROBE))
+        probe.close()
+        hwm = self._vm_hwm_kib() if self.reset() else None
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return hwm is not None and abs(maxrss - hwm) < self.PROBE // 2**10 // 4
+
     def mb(self) -> float:
-        kib = None if self.rusage_follows else self._vm_hwm_kib()
-        return (kib if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+        if self.rusage_follows is None:
+            peak = self._vm_hwm_kib()  # this window's, before the check resets it
+            self.rusage_follows = self._rusage_follows()
+        else:
+            peak = None if self.rusage_follows else self._vm_hwm_kib()
+        return (peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
 
 
 _PEAK_RSS = _PeakRSS()
