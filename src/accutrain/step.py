@@ -146,9 +146,11 @@ def cut_micro_batches(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], p
 def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """The global L2 norm of the window's gradients, measured before clipping them to max_norm (if set). Gradients
     of one device and dtype (the usual case) take the fused kernels directly — the same arithmetic as
-    clip_grad_norm_/get_total_norm, without their grouping, which costs more than the norm on a small model."""
+    clip_grad_norm_/get_total_norm, without their grouping, which costs more than the norm on a small model. Others
+    (several dtypes, sparse, sharded DTensors) go through torch's own functions."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads or len({(g.device, g.dtype, g.layout) for g in grads}) > 1 or grads[0].layout != torch.strided:
+    kinds = {(type(g), g.device, g.dtype, g.layout) for g in grads}
+    if len(kinds) != 1 or next(iter(kinds))[0] is not torch.Tensor or grads[0].layout != torch.strided:
         if max_norm is not None:
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
         return torch.nn.utils.get_total_norm(grads, foreach=True)
