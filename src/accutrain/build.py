@@ -1,20 +1,20 @@
 """From the typed config to everything the loop needs: data, model, optimizer, scheduler, the batch plan, the
-window loader, and the device wrapping (DDP). Each part comes from a small factory chosen by the config."""
+window loader, and how the ranks share the model (the strategy: DDP or FSDP). Each part comes from a small
+factory chosen by the config."""
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from accutrain import data, dist, lr_scaling, memory, models, norms
+from accutrain import data, lr_scaling, memory, models, norms
 from accutrain.auto_batch import auto_micro_batch
 from accutrain.dist import World
 from accutrain.ema import EMA, make_ema
@@ -23,6 +23,7 @@ from accutrain.plan import BatchPlan, make_plan
 from accutrain.precision import Precision, make_precision
 from accutrain.seeding import seed_everything
 from accutrain.step import SummedLoss, make_loss
+from accutrain.strategy import Strategy, make_strategy
 from accutrain.targets import factory
 from accutrain.windows import WindowSampler, window_loader
 
@@ -39,8 +40,7 @@ class Components:
     device: torch.device
     model: nn.Module  # the bare model: its state_dict is what checkpoints hold
     wrapped: nn.Module  # what the loop calls: the DDP wrapper on several devices, else the model itself
-    no_sync: Callable[[], ContextManager]  # skips the gradient all-reduce of a micro-batch (DDP), else nothing
-    comm: Optional[dist.CommStats]  # what the gradient all-reduces sent (several devices)
+    strategy: Strategy  # how the ranks share the model: no_sync, the reductions' counts, checkpoint state
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: WindowSampler
@@ -62,7 +62,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         datasets: data.Datasets = make_data(**data_kwargs)
     precision = make_precision(trainer.precision, device)
     loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index)
-    model = build_model(cfg, datasets, world, device, precision)
+    strategy = make_strategy(cfg, world, device, precision)
+    # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
+    model = strategy.prepare(build_model(cfg, datasets, world, device, precision, strategy))
 
     make_optimizer, optim_kwargs = factory("optim", cfg.optim)
     optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
@@ -86,13 +88,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     make_scheduler, sched_kwargs = factory("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
 
-    wrapped, no_sync, comm = model, nullcontext, None
-    if world.size > 1:
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          gradient_as_bucket_view=True)
-        comm = dist.CommStats(process_group=None)
-        wrapped.register_comm_hook(comm, dist.counting_allreduce_hook)
-        no_sync = wrapped.no_sync
+    wrapped = strategy.wrap(model)
+    for line in strategy.describe():
+        log.info(line)
 
     pin = device.type == "cuda"
     sampler = WindowSampler(plan, cfg.seed, world.rank, world.size)
@@ -100,17 +98,19 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     loader = window_loader(datasets.train, sampler, cfg.data.num_workers, pin,
                            generator=torch.Generator().manual_seed(cfg.seed))
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
-    val_loader = data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin)
+    val_loader = strategy.eval_batches(
+        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin), datasets.val)
     synced = world.size > 1 and cfg.model.get("sync_batchnorm", False)
     if warning := norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced):
         log.warning(warning)
-    return Components(cfg, world, plan, device, model, wrapped, no_sync, comm, optimizer, scheduler, sampler, loader,
+    return Components(cfg, world, plan, device, model, wrapped, strategy, optimizer, scheduler, sampler, loader,
                       val_loader, precision, buffers, loss, make_ema(trainer, model), Monitor.from_config(trainer))
 
 
-def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: torch.device, precision: Precision
-                ) -> nn.Module:
-    """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device."""
+def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: torch.device, precision: Precision,
+                strategy: Optional[Strategy] = None) -> nn.Module:
+    """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device
+    (in CPU memory for FSDP, which moves each rank's shards to the device)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     example = default_collate([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
@@ -123,7 +123,9 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: 
         else:
             log.warning("trainer.activation_checkpointing=true does nothing for this model: it has no blocks to "
                         "wrap (modules with parameters inside an nn.Sequential or nn.ModuleList)")
-    model = model.to(device=device, dtype=precision.param_dtype)
+    if strategy is not None:
+        strategy.check_model(model, cfg)
+    model = model.to(device=strategy.model_device(device) if strategy else device, dtype=precision.param_dtype)
     log.info(f"model {cfg.model.get('name', cfg.model._target_)}: {models.count_parameters(model):,} parameters, "
              f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
              + (f", precision {precision.name}" if precision.name != "32" else ""))

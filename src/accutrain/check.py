@@ -20,6 +20,7 @@ from torch import nn
 
 from accutrain import memory
 from accutrain.build import Components, build
+from accutrain.checkpoint import rng_state, set_rng_state
 from accutrain.dist import World, count_devices, resolve_device
 from accutrain.norms import REMEDIES, batchnorm_layers
 from accutrain.plan import derive_accum
@@ -74,6 +75,7 @@ def components_for_check(cfg: DictConfig) -> Components:
         cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
         cfg.global_batch = None
     cfg.devices = 1
+    cfg.strategy = {"name": "ddp"}  # the accumulation's arithmetic, on the whole model: FSDP's is the same
     return build(cfg, World(), device)
 
 
@@ -106,7 +108,14 @@ def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def run_check(c: Components) -> Check:
-    """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched."""
+    """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched (a
+    sharded run's check builds the whole model again in this process)."""
+    if c.strategy.lockstep:
+        rng = rng_state()  # building draws the seed's initial weights again
+        try:
+            return run_check(components_for_check(c.cfg))
+        finally:
+            set_rng_state(rng)
     device, loss = c.device, c.loss
     precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
     micro = window_batches(c)

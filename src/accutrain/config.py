@@ -37,6 +37,16 @@ class LastWindow(enum.Enum):
     drop = "drop"  # drop it
 
 
+class Sync(enum.Enum):
+    each = "each"  # strategy=fsdp: reduce-scatter every micro-batch's gradients; only the shards stay between
+    last = "last"  # … only the window's last one: one reduction per step; unsharded gradients stay between
+
+
+class CheckpointFormat(enum.Enum):
+    full = "full"  # rank 0 gathers everything into one file (torch.load(weights_only=True) reads it)
+    sharded = "sharded"  # one directory (PyTorch Distributed Checkpoint), each rank writes its own shard
+
+
 class LRScaling(enum.Enum):
     none = "none"  # optim.lr as given
     linear = "linear"  # optim.lr × effective batch / optim.base_batch (the linear scaling rule)
@@ -186,6 +196,28 @@ class LossConfig:
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
 
 
+# --- strategy/ ----------------------------------------------------------------------------------------
+# How the ranks share the model; accutrain applies every key itself.
+@dataclass
+class StrategyConfig:
+    name: str = MISSING  # ddp | fsdp: chosen with strategy=ddp|fsdp, which brings that strategy's keys
+
+
+@dataclass
+class DDPStrategy(StrategyConfig):
+    name: str = "ddp"  # every rank holds the whole model, gradients and optimizer state
+
+
+@dataclass
+class FSDPStrategy(StrategyConfig):
+    name: str = "fsdp"  # PyTorch FSDP2: parameters, gradients and optimizer state sharded across the ranks
+    wrap: Optional[List[str]] = None  # class names of the modules sharded as units; null: the repeated blocks
+    sync: Sync = Sync.each  # each | last: reduce-scatter gradients every micro-batch, or on the window's last only
+    reshard_after_forward: bool = True  # free the gathered parameters after forward (gathered again in backward)
+    cpu_offload: bool = False  # weights, gradients and the optimizer step in host memory (CPUOffloadPolicy)
+    checkpoint: CheckpointFormat = CheckpointFormat.full  # full: one file by rank 0 | sharded: a DCP directory
+
+
 # --- trainer and the top level ------------------------------------------------------------------------
 @dataclass
 class TrainerConfig:
@@ -222,6 +254,7 @@ class TrainConfig:
     data: Any = MISSING
     optim: Any = MISSING
     sched: Any = MISSING
+    strategy: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
@@ -249,6 +282,8 @@ SCHEMAS = {
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,
     ("sched", "cosine_schema"): CosineSched,
+    ("strategy", "ddp_schema"): DDPStrategy,
+    ("strategy", "fsdp_schema"): FSDPStrategy,
 }
 
 
@@ -258,6 +293,7 @@ OWN_KEYS = {
     "data": ("_target_", "num_workers"),
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
+    "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),
 }
 
 

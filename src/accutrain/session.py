@@ -19,6 +19,7 @@ from accutrain.progress import Progress
 from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
 from accutrain.run_status import add_to_status
 from accutrain.signals import StopRequest
+from accutrain.state_dicts import write_sharded
 
 log = logging.getLogger("accutrain")
 
@@ -55,6 +56,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         metrics.close()
     if world.main:
         say_how_it_ended(c, out, run_dir)
+    c.strategy.close()
     return out
 
 
@@ -69,17 +71,32 @@ def agree_on_run_dir(run_dir: Path, world: World) -> Path:
 
 def save_checkpoint(c: Components, p: Progress, rotation: checkpoint.Rotation, best: bool = False) -> Optional[Path]:
     """Every rank's state into rank 0's checkpoint (refused when the weights are not finite): the next step-*.pt of
-    the rotation, or best.pt; every rank waits for it to be on disk."""
-    state = checkpoint_state(c, p)
+    the rotation, or best.pt; with strategy.checkpoint=sharded a directory (step-*/, best/) each rank writes its
+    shards into. Every rank waits for it to be on disk."""
+    state, shards = checkpoint_state(c, p)
+    if not finite_weights(c, state, shards):
+        raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
+                        f"(the last good one is {rotation.steps()[0] if rotation.steps() else 'none'})")
     path = None
-    if c.world.main:
-        if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-            raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
-                            f"(the last good one is {rotation.steps()[0] if rotation.steps() else 'none'})")
+    if shards is not None:
+        path = write_sharded(rotation.directory / ("best" if best else f"step-{p.step:08d}"), shards, state, c.world)
+        if c.world.main and not best:
+            rotation.commit(path)
+    elif c.world.main:
         path = rotation.save_best(state) if best else rotation.save(state, p.step)
     if c.world.size > 1:
         torch.distributed.barrier()  # no rank leaves before the checkpoint is on disk
     return path
+
+
+def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
+    """Whether the weights about to be saved are finite: rank 0's whole ones (True elsewhere), or every rank's shards
+    (then every rank gets the answer)."""
+    if shards is None:
+        return not c.world.main or all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    local = all(torch.isfinite(t.to_local() if dist.is_sharded(t) else t).all()
+                for t in shards["model"].values() if t.is_floating_point())
+    return bool(dist.all_reduce_min(torch.tensor(float(local)), c.world).item())
 
 
 def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
@@ -89,7 +106,8 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, value=p.best, step=p.best_step,
-                                         checkpoint=str(run_dir / "checkpoints" / "best.pt")))
+                                         checkpoint=str(run_dir / "checkpoints" / (
+                                             "best" if c.strategy.sharded_checkpoints else "best.pt"))))
     if out.early_stop:
         log.info(f"early stopping after optimizer step {p.step} of {c.plan.total_steps}: {monitor.metric} has not "
                  f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "
