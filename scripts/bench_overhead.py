@@ -12,6 +12,7 @@ each run are warm-up and not timed. Prints the per-round figures, the medians an
 
     python scripts/bench_overhead.py                                   # resnet18 on digits, 32 × 4
     python scripts/bench_overhead.py --rounds 7 model=mlp micro_batch=8 accum=8
+    python scripts/bench_overhead.py --device cuda accum=4                # on a GPU (scripts/gpu_check.sh)
 """
 from __future__ import annotations
 
@@ -41,7 +42,14 @@ from accutrain.signals import StopRequest
 
 
 def setup(cfg):
-    return build(cfg, World(), torch.device("cpu"))
+    return build(cfg, World(), torch.device(cfg.trainer.device))
+
+
+def now(device: torch.device) -> float:
+    """The time once the device's queued work is done (accutrain's loop waits for it too, reading the loss)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
@@ -53,18 +61,19 @@ def hand_written(cfg, steps: int, warmup: int) -> float:
     r = setup(cfg)  # the same model (seed), data and optimizer as accutrain's; only the loop is the textbook one
     model, optimizer, accum = r.model, r.optimizer, r.plan.accum
     loader = DataLoader(r.loader.dataset.dataset, batch_size=cfg.micro_batch, shuffle=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
+                        pin_memory=r.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed))
     times, samples, window = [], [], 0
     model.train()
     while len(times) < steps:
         for i, (x, y) in enumerate(loader):
+            x, y = x.to(r.device, non_blocking=True), y.to(r.device, non_blocking=True)
             loss = F.cross_entropy(model(x), y) / accum
             loss.backward()
             window += len(y)
             if (i + 1) % accum == 0:
                 optimizer.step()
                 optimizer.zero_grad()
-                times.append(time.perf_counter())
+                times.append(now(r.device))
                 samples.append(window)
                 window = 0
                 if len(times) == steps:
@@ -91,14 +100,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="first optimizer steps not timed")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
     args = ap.parse_args()
     overrides = args.overrides or ["accum=4"]
-    cfg = compose("trainer.device=cpu", *overrides)
+    cfg = compose(f"trainer.device={args.device}", *overrides)
     logging.basicConfig(level=logging.ERROR)
 
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+    gpu = f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
+    print(f"machine: {platform.processor() or platform.machine()}{gpu}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, MALLOC_ARENA_MAX="
           f"{os.environ.get('MALLOC_ARENA_MAX', '-')} MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', '-')}")
     print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed")

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -32,6 +33,16 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 TINY = ["debug=fast", "model.hidden=[32]"]
 # The same data for a model of the test's own (model=custom …).
 TINY_DATA = ["debug=fast"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests skip, saying so, where no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m cuda on a GPU machine: scripts/gpu_check.sh)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -126,3 +137,56 @@ def assert_one_line_user_error(error: BaseException, *fragments: str) -> None:
     assert "\n" not in str(error).strip() or "Original Traceback" in str(error), str(error)
     for fragment in fragments:
         assert fragment in line, line
+
+
+# --- runs a test kills: a slow model, started in the background ------------------------------------------
+# A model that sleeps in forward (numerics untouched) so that a kill can land at a chosen optimizer step, and
+# dropout so that an RNG state not restored would show.
+SLOW_MODEL = """
+import time
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size, width=32, delay=0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, width), nn.ReLU(),
+                                 nn.Dropout(0.3), nn.Linear(width, num_classes))
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay)
+        return self.net(x)
+"""
+
+RUN = [*TINY_DATA, "model=custom", "model._target_=slow.Net", "data.size=117", "trainer.epochs=3",
+       "micro_batch=8", "accum=4", "trainer.checkpoint_every=1", "optim=adamw"]
+
+
+@pytest.fixture
+def slow(tmp_path, monkeypatch):
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    monkeypatch.syspath_prepend(tmp_path)  # for the runs in this process; the CLI imports from its working directory
+    return tmp_path
+
+
+def start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+
+
+def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the run did not reach step {steps}")
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

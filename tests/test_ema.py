@@ -16,9 +16,9 @@ from accutrain.loop import fit
 from accutrain.metrics import MetricsLog
 from accutrain.progress import Progress
 from accutrain.signals import StopRequest
-from conftest import (TINY, assert_one_line_user_error, final_weights, read_metrics, train_here, train_run)
+from conftest import (RUN, TINY, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
+                      start, train_here, train_run, wait_for_steps)
 from test_exact import EXACT
-from test_resume import RUN, assert_identical, slow, start, wait_for_steps  # noqa: F401 (slow is a fixture)
 
 
 def test_one_update_is_the_formula_and_buffers_follow_timm():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import logging
 from pathlib import Path
@@ -17,7 +18,7 @@ from accutrain.data import Datasets
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.files import write_atomic
-from accutrain.memory import free_memory, is_oom, peak_mb, reset_peak
+from accutrain.memory import BufferSpec, free_memory, is_oom, peak_mb, reset_peak
 from accutrain.precision import Precision
 from accutrain.step import SummedLoss
 
@@ -26,22 +27,27 @@ log = logging.getLogger("accutrain")
 
 def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
                      datasets: Datasets, device: torch.device, world: World, loss: SummedLoss,
-                     cache_dir: Optional[Path]) -> int:
+                     cache_dir: Optional[Path], buffers: Optional[BufferSpec] = None) -> int:
     """The largest divisor of global_batch / devices whose real training step fits, found by trial steps (cached
-    per model, data shape, precision, device and budget in `cache_dir`)."""
+    per model, data shape, precision, device and budget in `cache_dir`). Rank 0 alone reads the cache and every
+    rank follows its answer: a hit on some ranks and a miss on others would leave the latter waiting in the
+    search's all-reduce. `buffers`: the run's gradient buffers, which the trial steps hold too."""
     budget = cfg.trainer.memory_budget_mb
     if device.type == "cpu" and budget is None:
         raise UserError("micro_batch=auto on the CPU needs trainer.memory_budget_mb=N: the peak memory (MiB) a "
                         "training step may reach, since the CPU has no out-of-memory error to detect")
-    if cfg.global_batch % world.size:
-        raise UserError(f"global_batch={cfg.global_batch} is not a multiple of devices {world.size}")
-    window = cfg.global_batch // world.size
+    schedule = cfg.get("batch_schedule")
+    total = math.gcd(*schedule.batch) if schedule is not None else cfg.global_batch  # what every window is made of
+    if total % world.size:
+        raise UserError(f"{'every batch_schedule.batch' if schedule is not None else 'global_batch'}={total} is not "
+                        f"a multiple of devices {world.size}")
+    window = total // world.size
     about = dict(model=OmegaConf.to_container(cfg.model, resolve=True), shape=datasets.sample_shape,
                  precision=precision.name, device=torch.cuda.get_device_name(device) if device.type == "cuda"
                  else "cpu", budget=budget, window=window, optim=cfg.optim._target_,
                  checkpointing=cfg.trainer.activation_checkpointing)
     key, cache = cache_key(**about), (cache_dir / "micro_batch_auto.json" if cache_dir else None)
-    found = read_cache(cache, key) if cache else None
+    found = dist.broadcast_from_main(read_cache(cache, key) if cache and world.main else None, world)
     if found is not None:
         log.info(f"micro_batch=auto: {found}, cached in {cache}")
         return found
@@ -49,7 +55,7 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     def batch_of(size: int) -> Any:
         return default_collate([datasets.train[i % len(datasets.train)] for i in range(size)])
 
-    fits = trial(model, optimizer, precision, batch_of, device, budget, loss)
+    fits = trial(model, optimizer, precision, batch_of, device, budget, loss, buffers)
     found, notes = search_micro_batch(window, fits, budget)
     log.info(f"micro_batch=auto: trial steps {'; '.join(notes)}")
     if world.size > 1:  # every rank tried on its own device: take the size that fits on all of them
@@ -112,20 +118,26 @@ def write_cache(path: Path, key: str, micro_batch: int, description: str) -> Non
 
 
 def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Any],
-          device: torch.device, budget_mb: Optional[float], loss: Callable) -> Callable[[int], tuple[bool, float]]:
-    """fits(size): one real forward, backward and optimizer step on `size` samples; (fits, peak MiB). Weights,
-    buffers, optimizer state and RNG are restored afterwards, so the search leaves no trace on training."""
+          device: torch.device, budget_mb: Optional[float], loss: Callable, buffers: Optional[BufferSpec] = None
+          ) -> Callable[[int], tuple[bool, float]]:
+    """fits(size): one real forward, backward and optimizer step on `size` samples, with the run's gradient buffers
+    if it has any, and the optimizer's state (momentum, Adam moments) allocated by the step; (fits, peak MiB).
+    Weights, model buffers, gradients, optimizer state and RNG are restored afterwards, so the search leaves no
+    trace on training."""
     def fits(size: int) -> tuple[bool, float]:
         saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         x, y = batch_of(size)
+        held = None
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                free_memory(device)
                 reset_peak(device)
+                held = buffers.build(model) if buffers else None
                 with precision.autocast():
                     logits = model(precision.inputs(x.to(device)))
                 precision.backward(loss(logits, y.to(device)))
-                optimizer.step()  # its state (momentum, Adam moments) is part of what must fit
+                if held:
+                    held.release()
+                optimizer.step()
                 mb = peak_mb(device)
             return budget_mb is None or mb <= budget_mb, mb
         except Exception as e:
@@ -133,9 +145,13 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, ba
                 raise
             return False, 0.0
         finally:
+            if held:
+                held.remove()
+            del held
             optimizer.zero_grad(set_to_none=True)
             optimizer.state.clear()
             model.load_state_dict(saved)
-            free_memory(device)
+            free_memory(device)  # for the next trial, and for training
 
+    free_memory(device)
     return fits

@@ -68,23 +68,27 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
 
     make_optimizer, optim_kwargs = factory("optim", cfg.optim)
     optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
+    spec = memory.grad_buffer_spec(trainer, precision, device, world.size)
     micro_batch = cfg.micro_batch
-    if micro_batch == "auto":
-        micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, loss, cache_dir)
-    buffers = memory.make_grad_buffers(trainer, model, precision, device, world.size)
+    if micro_batch == "auto":  # before SyncBatchNorm (no rank waits in a trial's collective) and the buffers' hooks
+        micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, loss, cache_dir,
+                                       spec)
+    buffers = spec.build(model) if spec else None
+    synced = world.size > 1 and cfg.model.get("sync_batchnorm", False)
+    if synced:  # CUDA only: launch refuses it on the CPU
+        norms.sync_batchnorm(model)
     plan = make_plan(
         micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
         train_size=len(datasets.train), last_window=trainer.last_window,
-        epochs=trainer.epochs, max_steps=trainer.max_steps,
+        epochs=trainer.epochs, max_steps=trainer.max_steps, schedule=cfg.get("batch_schedule"),
     )
     for line in plan.describe():
         log.info(line)
     log.info(data.describe_split_sizes(datasets))
-    scaling = (cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] = lr_scaling.scaled_lr(*scaling)
-    if line := lr_scaling.describe(*scaling):
-        log.info(line)
+    for group in optimizer.param_groups:  # optim.lr_scaling applies at each optimizer step, for its window's batch
+        group["lr"] = group["initial_lr"] = cfg.optim.lr
+    if line := lr_scaling.describe(cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch):
+        log.info(line + ("; each window's scheduled batch scales its own step" if plan.schedule else ""))
     make_scheduler, sched_kwargs = factory("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
 
@@ -100,7 +104,6 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = strategy.eval_batches(
         data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin), datasets.val)
-    synced = world.size > 1 and cfg.model.get("sync_batchnorm", False)
     if warning := norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced):
         log.warning(warning)
     return Components(cfg, world, plan, device, model, wrapped, strategy, optimizer, scheduler, sampler, loader,
@@ -110,13 +113,12 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
 def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: torch.device, precision: Precision,
                 strategy: Optional[Strategy] = None) -> nn.Module:
     """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device
-    (in CPU memory for FSDP, which moves each rank's shards to the device)."""
+    (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm comes later, in build,
+    once micro_batch=auto has searched)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     example = default_collate([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     norms.convert_norm(model, cfg.model.get("norm", "keep"), cfg.model.get("norm_groups", 32))
-    if world.size > 1 and model_cfg.get("sync_batchnorm"):  # CUDA only: launch refuses it on the CPU
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.trainer.activation_checkpointing:
         if wrapped := memory.enable_activation_checkpointing(model):
             log.info(f"activation checkpointing: {wrapped} blocks recompute their activations in backward")
@@ -136,7 +138,7 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: 
 def main_first(world: World) -> Iterator[None]:
     """Rank 0 runs the block first (a download, say), the other ranks after it."""
     if not world.main:
-        torch.distributed.barrier()
+        dist.wait_for_main(world)
     yield
-    if world.main and world.size > 1:
-        torch.distributed.barrier()
+    if world.main:
+        dist.wait_for_main(world)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,9 +23,10 @@ from accutrain import memory
 from accutrain.build import Components, build
 from accutrain.checkpoint import rng_state, set_rng_state
 from accutrain.dist import World, count_devices, resolve_device
-from accutrain.norms import REMEDIES, batchnorm_layers
+from accutrain.norms import REMEDIES, batchnorm_layers, dropout_layers, local_batchnorm
 from accutrain.plan import derive_accum
-from accutrain.precision import tolerance
+from accutrain.precision import full_float32, tolerance
+from accutrain.seeding import deterministic_algorithms
 from accutrain.step import SummedLoss, accumulate, count_terms
 from accutrain.validate import validate
 from accutrain.windows import WindowSampler
@@ -74,9 +76,16 @@ def components_for_check(cfg: DictConfig) -> Components:
     if cfg.micro_batch != "auto":
         cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
         cfg.global_batch = None
-    cfg.devices = 1
+    cfg.devices = devices  # the world is World(): devices only tells the check whom SyncBatchNorm would span
     cfg.strategy = {"name": "ddp"}  # the accumulation's arithmetic, on the whole model: FSDP's is the same
     return build(cfg, World(), device)
+
+
+def synced_devices(c: Components) -> int:
+    """How many devices' micro-batches one BatchNorm statistic spans: all of them with model.sync_batchnorm."""
+    if not c.cfg.model.get("sync_batchnorm", False):
+        return 1
+    return c.world.size if c.world.size > 1 else c.cfg.devices if isinstance(c.cfg.devices, int) else 1
 
 
 def window_batches(c: Components) -> list[tuple[torch.Tensor, ...]]:
@@ -88,17 +97,34 @@ def window_batches(c: Components) -> list[tuple[torch.Tensor, ...]]:
 
 def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
               loss: SummedLoss) -> dict[str, torch.Tensor]:
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The window's gradient, accumulated over `micro`; the model's weights, statistics, gradients and gradient
+    buffers are as before afterwards, also when it fails (an out-of-memory halfway through backward, say)."""
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    buffers = c.buffers if model is c.model else None
     model.zero_grad(set_to_none=True)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(c.cfg.seed)  # both ways draw the same random numbers where they can
-        accumulate(model, micro, terms, device, precision=precision, loss=loss)
-    if c.buffers is not None and model is c.model:
-        c.buffers.release()
-    grads = {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    model.load_state_dict(state)
-    return grads
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(c.cfg.seed)  # both ways draw the same random numbers where they can
+            accumulate(model, micro, terms, device, precision=precision, loss=loss)
+        if buffers is not None:
+            buffers.release()
+        return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        if buffers is not None:
+            buffers.clear()
+        model.zero_grad(set_to_none=True)
+        model.load_state_dict(state)
+
+
+def _cpu_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` on the CPU, its floating tensors in `dtype`, made without a second copy on the model's
+    device (after an out-of-memory there is no room for one) and without its gradients."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        cpu = t.detach().to("cpu", copy=True)  # converted on the CPU, below: no temporary on the device
+        cpu = cpu.to(dtype) if cpu.is_floating_point() else cpu
+        memo[id(t)] = nn.Parameter(cpu, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else cpu
+    return copy.deepcopy(model, memo)
 
 
 def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -108,29 +134,43 @@ def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def run_check(c: Components) -> Check:
-    """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched (a
-    sharded run's check builds the whole model again in this process)."""
+    """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched.
+
+    One process does it all, so SyncBatchNorm layers run as plain BatchNorm (no collective: the other ranks are
+    not in it), each over every device's micro-batch of a micro-step, which is what SyncBatchNorm normalises
+    over. TF32 is off inside (cuDNN convolutions default to it on CUDA): the two ways may pick different
+    algorithms, and TF32's rounding would swamp float32's tolerance. A sharded run's check builds the whole model
+    again in this process."""
     if c.strategy.lockstep:
         rng = rng_state()  # building draws the seed's initial weights again
         try:
             return run_check(components_for_check(c.cfg))
         finally:
             set_rng_state(rng)
+    with local_batchnorm(c.model), full_float32(), deterministic_algorithms(c.cfg.trainer.deterministic):
+        return _compare(c)
+
+
+def _compare(c: Components) -> Check:
     device, loss = c.device, c.loss
     precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
     micro = window_batches(c)
-    accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
+    devices = synced_devices(c)  # micro-batch k runs at micro-step k // devices, on rank k % devices
+    steps = [tuple(torch.cat(parts) for parts in zip(*micro[i: i + devices])) for i in range(0, len(micro), devices)]
+    accumulated = _gradient(c, c.model, steps, loss.terms(micro), device, precision, loss)
 
     big = [tuple(torch.cat(parts) for parts in zip(*micro))]
     per_element = big[0][1].dim() > 1
     reference_terms = count_terms(big, per_element, loss.ignore_index)  # the big batch's mean
+    reference, where = None, str(device)
     try:
-        reference, where = _gradient(c, c.model, big, reference_terms, device, precision, loss), str(device)
-    except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU
-        if not memory.is_oom(e):
+        reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
+    except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU (below, once the
+        if not memory.is_oom(e):  # failed attempt's tensors are freed)
             raise
+    if reference is None:
         memory.free_memory(device)
-        cpu = copy.deepcopy(c.model).to("cpu", torch.float64)
+        cpu = _cpu_copy(c.model, torch.float64)
         fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
                                    param_dtype=torch.float64)
         reference = _gradient(c, cpu, [tuple(t.double() if t.is_floating_point() else t for t in big[0])],
@@ -145,30 +185,21 @@ def run_check(c: Components) -> Check:
     overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
     check = Check(len(big[0][1]), c.plan.micro_batch, len(micro), precision.name, per_group, overall,
                   tolerance(precision.name), where)
-    check.causes = causes(c.model, micro, big[0], c.plan.micro_batch, check, loss.elements, per_element)
+    check.causes = causes(c.model, micro, big[0], c.plan.micro_batch * devices, check, loss.elements, per_element)
     return check
 
 
-def _dropout_layers(model: nn.Module) -> list[str]:
-    found = []
-    for name, m in model.named_modules():
-        p = getattr(m, "p", 0)
-        if m.training and isinstance(p, float) and p > 0 and ("dropout" in type(m).__name__.lower()
-                                                              or type(m).__name__ == "StochasticDepth"):
-            found.append(name)
-    return found
-
-
-def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: Check, elements: bool,
+def causes(model: nn.Module, micro: list, big: tuple, seen: int, check: Check, elements: bool,
            per_element: bool) -> list[str]:
-    """What in the model and loss makes (or could make) the accumulated step differ from the big batch's."""
+    """What in the model and loss makes (or could make) the accumulated step differ from the big batch's; `seen`:
+    the samples one BatchNorm statistic covers (a micro-batch, or every device's with SyncBatchNorm)."""
     found = []
     norms = [name for name, _ in batchnorm_layers(model, training_only=True)]
     if norms:
         found.append(f"{len(norms)} BatchNorm layers in training mode: each normalises a micro-batch of "
-                     f"{micro_batch} samples with that micro-batch's statistics, not the window's {check.window}. "
+                     f"{seen} samples with that micro-batch's statistics, not the window's {check.window}. "
                      f"Remedies: {REMEDIES}")
-    dropout = _dropout_layers(model)
+    dropout = dropout_layers(model)
     if dropout:
         found.append(f"{len(dropout)} dropout layers in training mode ({', '.join(dropout[:4])}"
                      f"{', …' if len(dropout) > 4 else ''}): their random masks depend on how the window is cut; "
@@ -195,8 +226,8 @@ def causes(model: nn.Module, micro: list, big: tuple, micro_batch: int, check: C
 def batch_dependent_modules(model: nn.Module, batch: tuple) -> list[str]:
     """Modules whose output for the first half of a batch changes when the second half is left out (each run on
     its own recorded input, dropout off); only the innermost such modules are named."""
-    probe = copy.deepcopy(model).to("cpu", torch.float32)
-    for name in _dropout_layers(probe):
+    probe = _cpu_copy(model, torch.float32)
+    for name in dropout_layers(probe):
         probe.get_submodule(name).eval()
     x = batch[0].to("cpu")
     x = x.float() if x.is_floating_point() else x

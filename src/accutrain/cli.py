@@ -7,6 +7,7 @@ import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config import config_dir, register_schemas
 from accutrain.errors import Preempted, UserError, one_line
-from accutrain.run_status import recorded
+from accutrain.run_status import read_status, recorded, write_status
 from accutrain.sweep import SweepSummary
 
 log = logging.getLogger("accutrain")
@@ -29,10 +30,11 @@ def torchrun_secondary() -> bool:
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
-def _train(cfg: DictConfig) -> None:
-    """One run. A single run ends a user error with exit 2; in a multirun a failing job (user error or crash) is
-    recorded as failed in its status.json and the sweep goes on. A preempted run (SIGTERM/SIGINT) ends the
-    command, after its checkpoint, with exit code 128 + the signal."""
+def _train(cfg: DictConfig) -> Optional[float]:
+    """One run; returns the best value of the monitored metric (trainer.monitor), what a searching sweeper (Optuna)
+    optimises. A single run ends a user error with exit 2; in a multirun a failing job (user error or crash) is
+    recorded as failed in its status.json and the sweep goes on. A preempted run (trainer.preempt_signals) ends
+    the command, after its checkpoint, with exit code 128 + the signal — or, under submitit, is requeued."""
     from accutrain.launch import train  # imported here so that `--help` and config errors stay fast
     from accutrain.report import write_loss_plot
 
@@ -41,14 +43,24 @@ def _train(cfg: DictConfig) -> None:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
     primary = not torchrun_secondary()  # one process records the run's status and plots its loss
+    if cfg.resume is None and (read_status(run_dir) or {}).get("state") == "requeued":
+        log.info(f"this job was requeued after a preemption: resuming from the newest checkpoint of {run_dir}")
+        cfg.resume = "auto"
     try:
         with recorded(run_dir) if primary else nullcontext():  # status.json: running, then how it ended
-            train(cfg, run_dir, log_config)
+            out = train(cfg, run_dir, log_config)
+        return out.progress.best if out is not None else None
     except UserError as e:
         log.error(one_line(e))
         if not multirun:
             sys.exit(2)
     except Preempted as e:
+        requeue = submitit_requeue(e.signum)
+        if requeue is not None and primary:
+            write_status(run_dir, "requeued", str(e))
+            log.warning(f"{signal.Signals(e.signum).name}: checkpoint written; submitit requeues this job, which "
+                        "resumes from it")
+            requeue(e.signum, None)  # submitit's own handler: saves the job for the requeue and exits
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         log.error("interrupted: stopped at once, without a checkpoint")
@@ -74,6 +86,16 @@ def _check(cfg: DictConfig) -> None:
         sys.exit(2)
     print("\n".join(result.lines()))
     sys.exit(0 if result.faithful else 1)
+
+
+def submitit_requeue(signum: int) -> Optional[Callable[..., None]]:
+    """Under submitit, its handler for `signum` that checkpoints the job and requeues it (None elsewhere)."""
+    handler = signal.getsignal(signum)
+    owner = getattr(handler, "__self__", None)
+    if owner is not None and type(owner).__module__.startswith("submitit") and \
+            getattr(handler, "__name__", "") == "checkpoint_and_try_requeue":
+        return handler
+    return None
 
 
 def import_from_working_directory() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig
@@ -45,6 +45,15 @@ class Sync(enum.Enum):
 class CheckpointFormat(enum.Enum):
     full = "full"  # rank 0 gathers everything into one file (torch.load(weights_only=True) reads it)
     sharded = "sharded"  # one directory (PyTorch Distributed Checkpoint), each rank writes its own shard
+class ScheduleUnit(enum.Enum):
+    samples = "samples"  # batch_schedule.at counts samples seen
+    epochs = "epochs"  # … epochs (× the training set)
+    fraction = "fraction"  # … a fraction of the run's training samples (trainer.epochs × the training set)
+
+
+class Ramp(enum.Enum):
+    linear = "linear"  # interpolate between the points
+    step = "step"  # hold each batch until the next point
 
 
 class LRScaling(enum.Enum):
@@ -216,6 +225,45 @@ class FSDPStrategy(StrategyConfig):
     reshard_after_forward: bool = True  # free the gathered parameters after forward (gathered again in backward)
     cpu_offload: bool = False  # weights, gradients and the optimizer step in host memory (CPUOffloadPolicy)
     checkpoint: CheckpointFormat = CheckpointFormat.full  # full: one file by rank 0 | sharded: a DCP directory
+# --- logger/ -------------------------------------------------------------------------------------------
+# `logger` maps a name to a tracker (accutrain.trackers); every key but `_target_` is a keyword argument of it.
+@dataclass
+class TrackerConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class CSVTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.csv.CSV"
+    filename: str = "metrics.csv"  # in the run directory
+
+
+@dataclass
+class TensorBoardTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.tensorboard.TensorBoard"
+    log_dir: Optional[str] = None  # null: the run directory itself; a relative path is taken inside it
+    flush_secs: int = 30  # the event file is written at least this often (and before every checkpoint)
+
+
+@dataclass
+class MLflowTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.mlflow.MLflow"
+    tracking_uri: Optional[str] = None  # null: sqlite:///<the run directory's parent>/mlflow.db
+    experiment: Optional[str] = None  # null: the sweep's directory for a sweep's job, else "accutrain"
+    run_name: Optional[str] = None  # null: the run directory's name and the overrides
+    tags: Dict[str, str] = field(default_factory=dict)
+    flush_secs: float = 10.0  # metrics are sent at least this often (and before every checkpoint, and at the end)
+
+
+@dataclass
+class WandBTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.wandb.WandB"
+    project: Optional[str] = None  # null: WANDB_PROJECT, else accutrain
+    entity: Optional[str] = None  # null: WANDB_ENTITY, else your default entity (online)
+    mode: Optional[str] = None  # offline | online | disabled; null: WANDB_MODE, else offline
+    group: Optional[str] = None  # null: the sweep's directory for a sweep's job
+    name: Optional[str] = None  # null: the run directory's name and the overrides
+    tags: List[str] = field(default_factory=list)
 
 
 # --- trainer and the top level ------------------------------------------------------------------------
@@ -246,6 +294,20 @@ class TrainerConfig:
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
     early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
     min_delta: float = 0.0  # an improvement must exceed this to count
+    deterministic: bool = False  # deterministic cuDNN/cuBLAS algorithms: bit-identical resume on CUDA too
+    dist_timeout_s: float = 1800.0  # how long the other ranks wait for rank-0-only work (download, check, checkpoint)
+    # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
+    # under submitit the job is then requeued and resumes).
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+
+
+# --- batch_schedule/ -------------------------------------------------------------------------------------
+@dataclass
+class BatchScheduleConfig:
+    at: List[float] = MISSING  # where each point begins, in `unit`; ascending, the first 0
+    batch: List[int] = MISSING  # the effective batch from each point on (multiples of micro_batch × devices)
+    unit: ScheduleUnit = ScheduleUnit.fraction
+    ramp: Ramp = Ramp.linear
 
 
 @dataclass
@@ -256,6 +318,7 @@ class TrainConfig:
     sched: Any = MISSING
     strategy: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
+    logger: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
     # OmegaConf, explains a bad value (see validate).
@@ -265,6 +328,7 @@ class TrainConfig:
     global_batch: Any = None
     seed: int = 0
     resume: Optional[str] = None  # a checkpoint path, or auto: the newest good one in this run directory
+    batch_schedule: Optional[BatchScheduleConfig] = None  # the effective batch by samples seen; null: fixed
 
 
 SCHEMAS = {
@@ -284,6 +348,11 @@ SCHEMAS = {
     ("sched", "cosine_schema"): CosineSched,
     ("strategy", "ddp_schema"): DDPStrategy,
     ("strategy", "fsdp_schema"): FSDPStrategy,
+    ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
+    ("logger", "csv_schema"): CSVTracker,
+    ("logger", "tensorboard_schema"): TensorBoardTracker,
+    ("logger", "mlflow_schema"): MLflowTracker,
+    ("logger", "wandb_schema"): WandBTracker,
 }
 
 
@@ -294,6 +363,7 @@ OWN_KEYS = {
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
     "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),
+    "logger": ("_target_",),  # each logger.<name> is a tracker; its other keys are its keyword arguments
 }
 
 

@@ -6,11 +6,13 @@ logs, metrics and checkpoints.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,15 +65,47 @@ def count_devices(devices: Any, device_type: str) -> int:
 def worker_device(device: torch.device, world: World) -> torch.device:
     """Each rank's device: its own GPU (by local rank) on CUDA, the CPU otherwise."""
     if device.type == "cuda" and world.size > 1:
+        visible = torch.cuda.device_count()
+        if world.local_rank >= visible:
+            hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise UserError(f"rank {world.rank} has LOCAL_RANK={world.local_rank} but this process sees {visible} "
+                            f"CUDA device(s)" + (f" (CUDA_VISIBLE_DEVICES={hidden})" if hidden is not None else "")
+                            + ": start one process per visible GPU, or give every process all the node's GPUs "
+                            "(a launcher that gives each task its own GPU must not also set LOCAL_RANK)")
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
     return device
 
 
-def init_process_group(world: World, device: torch.device) -> None:
-    """Join the world's process group (from the MASTER_ADDR/MASTER_PORT environment): NCCL on GPUs, else gloo."""
+_patient_group: Optional[Any] = None  # a gloo group for waiting on rank-0-only work (see wait_for_main)
+
+
+def init_process_group(world: World, device: torch.device, patience_s: Optional[float] = None) -> None:
+    """Join the world's process group (from the MASTER_ADDR/MASTER_PORT environment): NCCL on GPUs (bound to this
+    rank's device), else gloo; and a gloo group whose collectives wait `patience_s` seconds, for wait_for_main."""
+    global _patient_group
     if world.size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank, world_size=world.size)
+        if device.type == "cuda":
+            dist.init_process_group("nccl", rank=world.rank, world_size=world.size, device_id=device)
+        else:
+            dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
+        _patient_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=patience_s)) if patience_s else None
+
+
+def wait_for_main(world: World) -> None:
+    """Every rank waits here until rank 0 arrives: after work rank 0 does alone (a download, accutrain-check,
+    writing a checkpoint), which may outlast the default group's collective timeout (NCCL's: 10 minutes). The wait
+    is on a gloo group timed by trainer.dist_timeout_s, so no NCCL collective is left pending meanwhile."""
+    if world.size > 1:
+        dist.barrier(group=_patient_group)
+
+
+def leave_process_group() -> None:
+    """Destroy this process's process groups, if it joined any."""
+    global _patient_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _patient_group = None
 
 
 def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:

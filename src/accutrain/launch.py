@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
-from accutrain.dist import World, count_devices, resolve_device
+from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, UserError
 from accutrain.loop import Outcome
+from accutrain.seeding import deterministic_algorithms
 from accutrain.session import train_rank
-from accutrain.signals import StopRequest
+from accutrain.signals import SIGNALS, StopRequest, signal_numbers
 from accutrain.validate import validate
 
 log = logging.getLogger("accutrain")
@@ -31,6 +31,15 @@ def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> 
     """Train as configured: validate once, then run the ranks; raise Preempted if a signal stopped the run early
     (after its checkpoint). `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging)."""
     validate(cfg)
+    with deterministic_algorithms(cfg.trainer.deterministic):  # before anything runs on CUDA
+        out = _train(cfg, run_dir, log_config)
+    if out is not None and out.stopped_by:
+        raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
+                                                        f"{out.progress.step}; checkpoint {out.checkpoint}")
+    return out
+
+
+def _train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict]) -> Optional[Outcome]:
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
     if world is not None and not world.main:
@@ -43,16 +52,15 @@ def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> 
         raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the "
                         "CPU (use devices=1, or model.sync_batchnorm=false)")
     if world is not None:
-        out = train_rank(world, cfg, run_dir, device)
-    elif n == 1:
-        out = train_rank(World(), cfg, run_dir, device)
-    else:
-        log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
-        out = spawn(n, train_rank, (cfg, run_dir, device), log_config)
-    if out is not None and out.stopped_by:
-        raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
-                                                        f"{out.progress.step}; checkpoint {out.checkpoint}")
-    return out
+        try:
+            return train_rank(world, cfg, run_dir, device)
+        finally:
+            leave_process_group()
+    if n == 1:
+        return train_rank(World(), cfg, run_dir, device)
+    log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
+    return spawn(n, train_rank, (cfg, run_dir, device), log_config, cfg.trainer.deterministic,
+                 signal_numbers(cfg.trainer.preempt_signals))
 
 
 def torchrun_world() -> Optional[World]:
@@ -92,6 +100,7 @@ class _Job:
     threads: int
     target: Callable[..., Any]
     args: tuple = field(default_factory=tuple)
+    deterministic: bool = False  # trainer.deterministic: the settings are per process
 
 
 def _worker(local_rank: int, job: _Job) -> None:
@@ -104,38 +113,39 @@ def _worker(local_rank: int, job: _Job) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(world.rank),
                       WORLD_SIZE=str(world.size), LOCAL_RANK=str(world.local_rank))
     try:
-        result = job.target(world, *job.args)
+        with deterministic_algorithms(job.deterministic):
+            result = job.target(world, *job.args)
         if world.main:
             job.results.put(result)
     except UserError as e:
         job.errors.put((world.rank, str(e)))
         sys.exit(2)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
 
 
-def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict]) -> Any:
+def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict],
+          deterministic: bool = False, signals: tuple[int, ...] = SIGNALS) -> Any:
     """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
 
     A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
-    with the failing rank's traceback. A SIGTERM or SIGINT to this process is passed on to the workers, which
-    stop together after their current optimizer step.
+    with the failing rank's traceback. One of `signals` (the preemption signals) sent to this process is passed on
+    to the workers, which stop together after their current optimizer step.
     """
     ctx = multiprocessing.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args)
+    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic)
     context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
                                                     start_method="spawn")
 
     def pass_on(signum: int) -> None:
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
+                os.kill(process.pid, signum)
 
     try:
-        with StopRequest(on_request=pass_on, announce=False):
+        with StopRequest(on_request=pass_on, announce=False, signals=signals):
             while not context.join():
                 pass
     except torch.multiprocessing.ProcessExitedException as e:
@@ -144,6 +154,8 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
         raise RuntimeError(f"rank {e.error_index} of {nprocs} died (exit code {e.exit_code}); every rank stopped"
                            ) from None
     except torch.multiprocessing.ProcessRaisedException as e:
+        if not errors.empty():  # a user error on one rank, seen here after another rank's broken collective
+            raise UserError(errors.get()[1]) from None
         cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
         raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
                            f"\n{e}") from None

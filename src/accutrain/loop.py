@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from accutrain import dist, memory
+from accutrain import dist, lr_scaling, memory, norms
 from accutrain.build import Components
 from accutrain.config import OnNonFinite
 from accutrain.errors import UserError
@@ -47,6 +47,9 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
     trainer, plan = c.cfg.trainer, c.plan
     params = [param for param in c.model.parameters() if param.requires_grad]
     record = StepLog(c, metrics, p)
+    c.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check, say)
+    if c.buffers:
+        c.buffers.clear()
     for epoch in range(p.epoch, plan.total_epochs):
         c.sampler.set_epoch(epoch, start_window=p.window)
         for window, batches in windows_of(c.loader):
@@ -61,8 +64,9 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
             # One small all-reduce: the window's loss summed over every rank, and whether any rank was signalled.
             loss_sum, stop_votes = dist.all_reduce_sum(torch.tensor(
                 [loss_sum.item(), stop.signum is not None], dtype=torch.float64, device=c.device), c.world).tolist()
-            loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"]
-            skipped = optimizer_step(c, loss, norm, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
+            lr_factor = lr_scaling.scaled_lr(1.0, window.batch, c.cfg.optim.lr_scaling, c.cfg.optim.base_batch)
+            loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"] * lr_factor
+            skipped = optimizer_step(c, loss, norm, lr_factor, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
             if c.ema is not None and skipped is None:
                 c.ema.update(c.model)  # the average moves with the optimizer step, only when one was taken
             c.optimizer.zero_grad(set_to_none=True)
@@ -142,12 +146,21 @@ def cut_after_oom(c: Components, p: Progress, window: Window, error: Exception) 
     count = sum(pieces(n, p.oom_parts) for n in window.sizes)
     log.warning(f"out of memory with micro-batches of {largest} at optimizer step {p.step + 1}: the window is "
                 f"re-split into {count} micro-batches of at most {max(-(-n // p.oom_parts) for n in window.sizes)}; "
-                f"the effective batch stays {c.plan.effective}")
+                f"the effective batch stays {c.plan.effective}" + twice_note(c.model))
 
 
-def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optional[str]:
-    """Step the optimizer and the scheduler (and the GradScaler) once for the window, or say why not:
-    `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed lowers its scale)."""
+def twice_note(model: torch.nn.Module) -> str:
+    """What running a window again from its first micro-batch after an out-of-memory does twice, for the log."""
+    twice = (["BatchNorm's running statistics take those samples in twice"] if norms.batchnorm_layers(model, True)
+             else []) + (["dropout draws new masks (the random stream moves on)"] if norms.dropout_layers(model)
+                         else [])
+    return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
+
+
+def optimizer_step(c: Components, loss: float, norm: float, lr_factor: float, where: str) -> Optional[str]:
+    """Step the optimizer (its learning rates × lr_factor, the window's batch scaling) and the scheduler (and the
+    GradScaler) once for the window, or say why not: `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or
+    `amp_overflow` (16-mixed lowers its scale)."""
     scaler, skipped = c.precision.scaler, None
     if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
         skipped = "nonfinite"
@@ -157,10 +170,11 @@ def optimizer_step(c: Components, loss: float, norm: float, where: str) -> Optio
     elif not math.isfinite(norm):
         skipped = "amp_overflow"  # inf/NaN in the scaled gradients: the scaler skips the step
     else:
-        if scaler:
-            scaler.step(c.optimizer)
-        else:
-            c.optimizer.step()
+        with lr_scaling.window_lr(c.optimizer, lr_factor):
+            if scaler:
+                scaler.step(c.optimizer)
+            else:
+                c.optimizer.step()
         c.scheduler.step()
     if scaler:
         scaler.update()
@@ -174,7 +188,7 @@ def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> bool:
     if c.ema is not None:
         with c.ema.swapped_in(c.model):
             record.update(measure(c, "_ema"))
-    metrics.write(record)
+    metrics.evaluation(record)
     log.info(f"step {p.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
              f"{record['val_acc']:.4f}" + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc "
                                             f"{record['val_acc_ema']:.4f})" if c.ema is not None else ""))

@@ -6,16 +6,15 @@ linear: lr × effective / base_batch (the linear scaling rule, for SGD); sqrt: l
 from __future__ import annotations
 
 import math
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
 
 from accutrain.config import LRScaling
 
-# The optim keys that configure the scaling; they are not arguments of the optimizer factories.
-KEYS = ("lr_scaling", "base_batch")
-
-
 def scaled_lr(lr: float, effective: int, rule: LRScaling, base_batch: Optional[int]) -> float:
-    """The learning rate the optimizer starts from (before the scheduler's factor)."""
+    """`lr` scaled for a window of `effective` samples (the scheduler's factor applies on top)."""
     if rule is LRScaling.none:
         return lr
     if base_batch is None:
@@ -31,3 +30,20 @@ def describe(lr: float, effective: int, rule: LRScaling, base_batch: Optional[in
     factor = f"{effective}/{base_batch}" if rule is LRScaling.linear else f"√({effective}/{base_batch})"
     return (f"lr {scaled_lr(lr, effective, rule, base_batch):.4g} = {lr:.4g} × {factor} "
             f"(optim.lr_scaling={rule.name}, base_batch {base_batch})")
+
+
+@contextmanager
+def window_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Inside the block the optimizer steps with its learning rates × `factor` (the window's batch scaling); after
+    it, the scheduler's own values are back, so that a scheduler computing from the current lr never compounds it."""
+    if factor == 1.0:
+        yield
+        return
+    own = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, own):
+        group["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, own):
+            group["lr"] = lr

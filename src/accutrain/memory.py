@@ -7,6 +7,7 @@ import gc
 import logging
 import re
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -146,41 +147,83 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
 
 
 # --- gradients kept outside .grad --------------------------------------------------------------------------
+def copies_done(device: torch.device) -> Optional[torch.cuda.Event]:
+    """An event marking the end of the work queued so far on `device`'s current stream (copies included); None on
+    the CPU, where copies are synchronous."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class GradBuffers:
     """Sum each micro-batch's gradients into buffers outside .grad — in float32 (`trainer.accum_dtype`) and/or in
-    pinned CPU memory (`trainer.offload_grads`) — and hand the window's sum back to .grad for the optimizer step."""
+    pinned CPU memory (`trainer.offload_grads`) — and hand the window's sum back to .grad for the optimizer step.
+
+    Handing back from pinned memory is an asynchronous copy: a buffer is written again (by the next window's first
+    micro-batch) only after the copies have read it. A buffer's first gradient of a window is copied in, not added,
+    so no buffer is ever zeroed, and a parameter that got no gradient in the window gets none (.grad None), as
+    without buffers."""
 
     def __init__(self, params: list[nn.Parameter], dtype: Optional[torch.dtype], offload: bool) -> None:
         pin = offload and torch.cuda.is_available()
         self.buffers = {p: torch.zeros(p.shape, dtype=dtype or p.dtype, device="cpu" if offload else p.device,
                                        pin_memory=pin) for p in params}
+        self.device = params[0].device if params else torch.device("cpu")  # where .grad lives
+        self._summed: set[nn.Parameter] = set()  # parameters whose buffer holds this window's sum so far
+        self._copies: Optional[torch.cuda.Event] = None  # the last release's copies, until they are known done
         self._hooks = [p.register_post_accumulate_grad_hook(self._take) for p in params]
 
     def _take(self, p: nn.Parameter) -> None:
-        buffer = self.buffers[p]
-        buffer.add_(p.grad.to(buffer.device, buffer.dtype))
+        self._wait_for_copies()
+        buffer, grad = self.buffers[p], p.grad.to(self.buffers[p].device, self.buffers[p].dtype)
+        if p in self._summed:
+            buffer.add_(grad)
+        else:
+            buffer.copy_(grad)
+            self._summed.add(p)
         p.grad = None  # the device copy is freed as soon as it is summed
 
+    def _wait_for_copies(self) -> None:
+        if self._copies is not None:
+            self._copies.synchronize()
+            self._copies = None
+
     def release(self) -> None:
-        """Put the window's summed gradients back in .grad (the parameters' device and dtype); empty the buffers."""
+        """Put the window's summed gradients back in .grad (the parameters' device and dtype); the buffers start the
+        next window empty."""
+        self._wait_for_copies()
         for p, buffer in self.buffers.items():
-            p.grad = buffer.to(p.device, p.dtype, non_blocking=True, copy=True)
-            buffer.zero_()
+            p.grad = buffer.to(p.device, p.dtype, non_blocking=True, copy=True) if p in self._summed else None
+        self._copies = copies_done(self.device)
+        self._summed.clear()
 
     def clear(self) -> None:
         """Drop what the buffers hold (the partial gradients of a window abandoned after an out-of-memory)."""
-        for buffer in self.buffers.values():
-            buffer.zero_()
+        self._summed.clear()
 
     def remove(self) -> None:
         """Stop collecting: gradients accumulate in .grad again."""
         for hook in self._hooks:
             hook.remove()
+        self._wait_for_copies()
 
 
-def make_grad_buffers(trainer: Any, model: nn.Module, precision: Any, device: torch.device, world_size: int
-                      ) -> Optional[GradBuffers]:
-    """Buffers for trainer.accum_dtype=float32 (half-precision weights) and trainer.offload_grads, if asked."""
+@dataclass(frozen=True)
+class BufferSpec:
+    """What trainer.accum_dtype and trainer.offload_grads ask of the gradient buffers."""
+
+    dtype: Optional[torch.dtype]  # float32, or None: the parameters' dtype
+    offload: bool  # in pinned CPU memory
+
+    def build(self, model: nn.Module) -> GradBuffers:
+        return GradBuffers([p for p in model.parameters() if p.requires_grad], self.dtype, self.offload)
+
+
+def grad_buffer_spec(trainer: Any, precision: Any, device: torch.device, world_size: int) -> Optional[BufferSpec]:
+    """The gradient buffers trainer.accum_dtype=float32 (half-precision weights) and trainer.offload_grads ask for,
+    said once in the log; None when gradients accumulate in .grad."""
     fp32 = trainer.accum_dtype == "float32" and precision.param_dtype != torch.float32
     if trainer.accum_dtype == "float32" and not fp32:
         log.info(f"trainer.accum_dtype=float32: the weights are float32 with precision {precision.name}, so "
@@ -195,4 +238,4 @@ def make_grad_buffers(trainer: Any, model: nn.Module, precision: Any, device: to
                         "(DDP all-reduces .grad, not accutrain's buffers)")
     log.info("gradients accumulate in " + " and ".join(
         (["float32 buffers"] if fp32 else []) + (["pinned CPU memory"] if offload else [])))
-    return GradBuffers([p for p in model.parameters() if p.requires_grad], torch.float32 if fp32 else None, offload)
+    return BufferSpec(torch.float32 if fp32 else None, offload)

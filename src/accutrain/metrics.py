@@ -9,19 +9,33 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
+from accutrain.trackers import Trackers
+
 
 class MetricsLog:
-    """Appends one JSON object per line, flushed line by line so a running or killed run can be read.
+    """Appends one JSON object per line, flushed line by line so a running or killed run can be read; the optimizer
+    steps' and evaluations' records go to the trackers as well, as written.
 
     With no path (ranks other than 0) it writes nothing.
     """
 
-    def __init__(self, path: Optional[Path]) -> None:
+    def __init__(self, path: Optional[Path], trackers: Optional[Trackers] = None) -> None:
         self.file = open(path, "a", buffering=1) if path is not None else None  # line-buffered
+        self.trackers = trackers or Trackers()
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
+
+    def step(self, record: dict[str, Any]) -> None:
+        """An optimizer step's record."""
+        self.write(record)
+        self.trackers.log_step(record)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        """An evaluation's record."""
+        self.write(record)
+        self.trackers.log_eval(record)
 
     def close(self) -> None:
         if self.file is not None:

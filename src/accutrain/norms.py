@@ -1,4 +1,5 @@
-"""BatchNorm under accumulation: finding the layers, converting them (`model.norm`), and the start-up warning.
+"""BatchNorm under accumulation: finding the layers, converting them (`model.norm`, SyncBatchNorm), and the start-up
+warning; and the other layers whose training output depends on how a window is cut (dropout).
 
 BatchNorm in training mode normalises each micro-batch with that micro-batch's statistics, so an accumulated step
 is not exactly the big batch's step; GroupNorm (statistics per sample) and frozen BatchNorm (fixed statistics) are.
@@ -6,7 +7,8 @@ is not exactly the big batch's step; GroupNorm (statistics per sample) and froze
 from __future__ import annotations
 
 import types
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -27,6 +29,22 @@ def batchnorm_layers(model: nn.Module, training_only: bool = False) -> list[tupl
 
 def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
     return nn.Module.train(module, False)
+
+
+def is_frozen(module: nn.Module) -> bool:
+    """A BatchNorm that model.norm=frozen keeps in eval mode."""
+    return getattr(module.train, "__func__", None) is _stay_in_eval
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    """Names of the dropout layers (stochastic depth included) in training mode with a non-zero rate."""
+    found = []
+    for name, m in model.named_modules():
+        p = getattr(m, "p", 0)
+        if m.training and isinstance(p, float) and p > 0 and ("dropout" in type(m).__name__.lower()
+                                                              or type(m).__name__ == "StochasticDepth"):
+            found.append(name)
+    return found
 
 
 def convert_norm(model: nn.Module, norm: Any, groups: int) -> int:
@@ -63,3 +81,47 @@ def batchnorm_warning(model: nn.Module, micro_batch: int, effective: int, device
     return (f"{norms} BatchNorm layers take their statistics over {seen} samples, not the window's {effective}: the "
             f"accumulated step is not exactly the big batch's (accutrain-check measures by how much). Remedies: "
             f"{REMEDIES}")
+
+
+def sync_batchnorm(model: nn.Module) -> int:
+    """BatchNorm → SyncBatchNorm in place (statistics over every rank's micro-batch), keeping the parameters and
+    running statistics themselves. Frozen layers (model.norm=frozen) stay as they are: in eval mode they have
+    nothing to synchronise, and the conversion would drop their freeze. Returns how many layers changed."""
+    layers = [(name, bn) for name, bn in batchnorm_layers(model)
+              if name and not is_frozen(bn) and not isinstance(bn, nn.SyncBatchNorm)]
+    for name, bn in layers:
+        replace_module(model, name, nn.SyncBatchNorm.convert_sync_batchnorm(bn))
+    return len(layers)
+
+
+class _LocalBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm of any dimension over the batch it is given: a SyncBatchNorm's computation on one process alone."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def _local(sync: nn.SyncBatchNorm) -> _LocalBatchNorm:
+    local = _LocalBatchNorm(sync.num_features, sync.eps, sync.momentum, sync.affine, sync.track_running_stats,
+                            device="meta")
+    local.weight, local.bias = sync.weight, sync.bias  # the same tensors, shared: nothing is copied
+    local.running_mean, local.running_var = sync.running_mean, sync.running_var
+    local.num_batches_tracked = sync.num_batches_tracked
+    local.train(sync.training)
+    return local
+
+
+@contextmanager
+def local_batchnorm(model: nn.Module) -> Iterator[int]:
+    """Inside the block, every SyncBatchNorm of `model` is a plain BatchNorm over the batch it is given, sharing
+    its parameters and running statistics: no collective (one rank can run it alone), and it runs on the CPU.
+    Yields how many layers were swapped; they are put back on leaving, also after an error."""
+    synced = [(name, m) for name, m in model.named_modules() if name and isinstance(m, nn.SyncBatchNorm)]
+    for name, sync in synced:
+        replace_module(model, name, _local(sync))
+    try:
+        yield len(synced)
+    finally:
+        for name, sync in synced:
+            replace_module(model, name, sync)

@@ -1,9 +1,9 @@
 """`trainer.precision`: 32, bf16-mixed / 16-mixed (autocast; 16-mixed with a GradScaler), bf16-true (bf16 weights)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import ContextManager, Optional
+from typing import ContextManager, Iterator, Optional
 
 import torch
 
@@ -51,3 +51,27 @@ def make_precision(name: str, device: torch.device) -> Precision:
 def tolerance(name: str) -> float:
     """Relative agreement to expect between two float summation orders of the same gradient at this precision."""
     return {"32": 1e-4, "bf16-mixed": 5e-2, "16-mixed": 1e-2, "bf16-true": 5e-2}[str(name)]
+
+
+@contextmanager
+def full_float32() -> Iterator[None]:
+    """Inside the block, float32 matrix products, convolutions and RNNs compute in full float32 — no TensorFloat-32
+    on CUDA, which cuDNN uses by default — and the previous settings come back on leaving."""
+    backends = torch.backends
+    if hasattr(backends.cudnn, "conv"):  # PyTorch >= 2.9's per-operator settings (not to be mixed with the flags)
+        settings = [backends.cuda.matmul, backends.cudnn.conv, backends.cudnn.rnn]
+        saved = [setting.fp32_precision for setting in settings]
+        for setting in settings:
+            setting.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            for setting, value in zip(settings, saved):
+                setting.fp32_precision = value
+    else:
+        saved_flags = backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32
+        backends.cuda.matmul.allow_tf32 = backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved_flags

@@ -38,7 +38,7 @@ class Progress:
         """Count the window's optimizer step (taken or skipped) and move to the next window."""
         self.step, self.samples = self.step + 1, self.samples + window.size
         self.skipped += skipped == "nonfinite"
-        if window.index == plan.steps_per_epoch - 1:
+        if window.index == len(plan.window_sizes(window.epoch)) - 1:
             self.epoch, self.window = self.epoch + 1, 0
         else:
             self.window = window.index + 1

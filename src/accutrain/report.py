@@ -69,7 +69,19 @@ def overview(rows: list[RunRow], root: Path) -> str:
     lines = [f"{root}: {runs}, " + ", ".join(f"{n} {state}" for state, n in counts.items())]
     if common := common_overrides(rows):
         lines.append(f"overrides shared by every run: {' '.join(common)}")
+    if (best := best_run(rows)) is not None:
+        own = " ".join(o for o in best.overrides if o not in common) or best.job
+        lines.append(f"best run: {best.job} ({own}): {best.monitor} {best.best:.4f} at step {best.best_step}")
     return "\n".join(lines)
+
+
+def best_run(rows: list[RunRow]) -> Optional[RunRow]:
+    """The run with the best value of the monitored metric, when every run that has one monitors the same."""
+    scored = [r for r in rows if r.best is not None]
+    if len(rows) < 2 or not scored or len({(r.monitor, r.monitor_mode) for r in scored}) > 1:
+        return None
+    pick = max if scored[0].monitor_mode == "max" else min
+    return pick(scored, key=lambda r: r.best)
 
 
 def failures(rows: list[RunRow]) -> str:
@@ -145,13 +157,15 @@ def write_report(root: Path, rows: Optional[list[RunRow]] = None) -> Report:
     return Report(rows, "\n\n".join(p for p in parts if p), files)
 
 
-def write_loss_plot(run_dir: Path) -> Optional[Path]:
-    """Draw run_dir/loss.png from its metrics.jsonl when it has any step; never raises (a warning instead)."""
+def write_loss_plot(run_dir: Path, status: Optional[str] = None) -> Optional[Path]:
+    """Draw run_dir/loss.png from its metrics.jsonl when it has any step; never raises (a warning instead). `status`
+    titles it when status.json does not have the outcome yet."""
     from accutrain import plots  # matplotlib is imported only when a plot is drawn
 
     out = run_dir / "loss.png"
     try:
         row = read_run(run_dir, run_dir.name)
+        row.status = status or row.status
         if not row.curve:
             return None
         plots.plot_run(row, out)

@@ -66,6 +66,10 @@ def restore(c: Components, path: Path) -> Progress:
     """Load a checkpoint into the run; refuse one from another model or another effective batch."""
     state = checkpoint.load(path, mmap=True)  # every rank maps the file; FSDP takes each rank's shard from it
     saved = state["plan"]
+    schedule = c.plan.schedule.record() if c.plan.schedule else None
+    if saved.get("schedule") != schedule:
+        raise UserError(f"{path} was trained with batch schedule {saved.get('schedule') or 'none'}; this run's is "
+                        f"{schedule or 'none'}: resuming needs the same schedule (it decides every window)")
     if saved["effective"] != c.plan.effective:
         raise UserError(
             f"{path} was trained with effective batch {saved['effective']} (micro_batch {saved['micro_batch']} × "

@@ -15,7 +15,7 @@ from accutrain.errors import Preempted, one_line
 from accutrain.files import write_atomic
 
 STATUS_FILE = "status.json"
-FINAL_STATES = ("completed", "failed", "interrupted")
+FINAL_STATES = ("completed", "failed", "interrupted", "requeued")  # requeued: preempted, to resume under submitit
 
 log = logging.getLogger("accutrain")
 

@@ -45,6 +45,7 @@ class RunRow:
     best_val_loss_ema: Optional[float] = None  # the same of the averaged weights (trainer.ema)
     best_val_acc_ema: Optional[float] = None
     monitor: Optional[str] = None  # the monitored metric (trainer.monitor), its best value and that evaluation's step
+    monitor_mode: Optional[str] = None  # min | max
     best: Optional[float] = None
     best_step: Optional[int] = None
     samples_per_s: Optional[float] = None
@@ -135,7 +136,8 @@ def read_run(run_dir: Path, job: str) -> RunRow:
         setattr(row, f"best_val_acc{suffix}", max(accs) if accs else None)
     best = (record or {}).get("best")
     if isinstance(best, dict):
-        row.monitor, row.best, row.best_step = best.get("metric"), best.get("value"), best.get("step")
+        row.monitor, row.monitor_mode = best.get("metric"), best.get("mode")
+        row.best, row.best_step = best.get("value"), best.get("step")
     row.val_curve = [(seen_at[r["step"]], r["val_loss"]) for r in evals if r["step"] in seen_at and "val_loss" in r]
     return row
 

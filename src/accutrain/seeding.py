@@ -1,8 +1,12 @@
 """Every random number a run draws starts from its `seed`: the global generators at start, and derived seeds for
-the streams that must not depend on anything else (an epoch's order, a generated sample)."""
+the streams that must not depend on anything else (an epoch's order, a generated sample); and
+`trainer.deterministic`, which makes CUDA's algorithms repeat themselves."""
 from __future__ import annotations
 
+import os
 import random
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -25,3 +29,30 @@ def derived_seed(seed: int, offset: int) -> int:
 def generator(seed: int, offset: int) -> torch.Generator:
     """A CPU generator for stream `offset` of a run seeded `seed`."""
     return torch.Generator().manual_seed(derived_seed(seed, offset))
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # what deterministic cuBLAS needs (CUDA >= 10.2); read when cuBLAS first starts
+
+
+@contextmanager
+def deterministic_algorithms(on: bool) -> Iterator[None]:
+    """trainer.deterministic: inside the block cuDNN picks deterministic algorithms and does not autotune, and an
+    operation with no deterministic implementation warns when it runs (use_deterministic_algorithms(True,
+    warn_only=True)); CUBLAS_WORKSPACE_CONFIG is set unless the user set it, before anything runs on CUDA, and
+    child processes inherit it. Everything comes back on leaving. Off: nothing changes."""
+    if not on:
+        yield
+        return
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.deterministic, cudnn.benchmark, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    cudnn.deterministic, cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved[0], saved[1]
+        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+        if saved[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

@@ -18,8 +18,9 @@ from accutrain.metrics import MetricsLog, summary_line
 from accutrain.progress import Progress
 from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
 from accutrain.run_status import add_to_status
-from accutrain.signals import StopRequest
+from accutrain.signals import StopRequest, signal_numbers
 from accutrain.state_dicts import write_sharded
+from accutrain.trackers import Trackers
 
 log = logging.getLogger("accutrain")
 
@@ -28,18 +29,22 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
     checkpoints/ go into run_dir."""
     device = dist.worker_device(device, world)
-    dist.init_process_group(world, device)
+    dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
+    trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     c = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
         result = check.run_check(c)
         for line in result.lines():
             (log.info if result.faithful else log.warning)(f"check: {line}")
+    if cfg.trainer.check:
+        dist.wait_for_main(world)  # the other ranks wait for rank 0's check, however long it takes
     resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
     progress = restore(c, resume_from) if resume_from else Progress()
     rotation = checkpoint.Rotation(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
 
     def save(p: Progress, best: bool = False) -> Optional[Path]:
+        trackers.flush()  # a resume from this checkpoint finds in the trackers every step up to it
         return save_checkpoint(c, p, rotation, best)
 
     if world.main:
@@ -47,14 +52,20 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         if resume_from:
             keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
         add_to_status(run_dir, plan=c.plan.record())
-    metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None)
+        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
     metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
     try:
-        with StopRequest(announce=world.main) as stop:
+        with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
             out = fit(c, metrics, progress, save, stop)
+    except BaseException as e:
+        trackers.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", progress)
+        raise
     finally:
         metrics.close()
     if world.main:
+        trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
+                        out.peak_mb)
         say_how_it_ended(c, out, run_dir)
     c.strategy.close()
     return out
@@ -84,8 +95,7 @@ def save_checkpoint(c: Components, p: Progress, rotation: checkpoint.Rotation, b
             rotation.commit(path)
     elif c.world.main:
         path = rotation.save_best(state) if best else rotation.save(state, p.step)
-    if c.world.size > 1:
-        torch.distributed.barrier()  # no rank leaves before the checkpoint is on disk
+    dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
     return path
 
 
@@ -105,7 +115,7 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
     if p.best is not None:
-        add_to_status(run_dir, best=dict(metric=monitor.metric, value=p.best, step=p.best_step,
+        add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
                                          checkpoint=str(run_dir / "checkpoints" / (
                                              "best" if c.strategy.sharded_checkpoints else "best.pt"))))
     if out.early_stop:

@@ -1,23 +1,30 @@
-"""Preemption: the first SIGTERM or SIGINT asks the loop to stop after the current optimizer step and checkpoint;
-a second SIGINT stops at once."""
+"""Preemption: the first of the preemption signals (`trainer.preempt_signals`: SIGTERM, SIGINT, SIGUSR1, SIGUSR2 by
+default) asks the loop to stop after the current optimizer step and checkpoint; a second SIGINT stops at once."""
 from __future__ import annotations
 
 import logging
 import signal
 from types import FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 log = logging.getLogger("accutrain")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def signal_numbers(names: Iterable[str]) -> tuple[signal.Signals, ...]:
+    """The signals `trainer.preempt_signals` names (validated beforehand)."""
+    return tuple(signal.Signals[name] for name in names)
 
 
 class StopRequest:
     """Signal handlers for the training process; `signum` is set once a stop has been asked for."""
 
-    def __init__(self, on_request: Optional[Callable[[int], None]] = None, announce: bool = True) -> None:
+    def __init__(self, on_request: Optional[Callable[[int], None]] = None, announce: bool = True,
+                 signals: Iterable[int] = SIGNALS) -> None:
         self.signum: Optional[int] = None
-        self.on_request, self.announce = on_request, announce
+        self.on_request, self.announce, self.signals = on_request, announce, tuple(signals)
         self._previous: dict[int, Any] = {}
 
     @property
@@ -36,7 +43,7 @@ class StopRequest:
             raise KeyboardInterrupt
 
     def __enter__(self) -> "StopRequest":
-        for sig in SIGNALS:
+        for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -34,7 +34,7 @@ class StepLog:
         rate = window.size / (time.perf_counter() - self.t0)
         epoch = p.last_epoch
         record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
-                      samples=window.size, micro_batches=micro_batches, lr=lr,
+                      samples=window.size, effective=window.batch, micro_batches=micro_batches, lr=lr,
                       grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
                       time=time.perf_counter() - self.began, peak_mem_mb=round(memory.peak_mb(c.device), 1))
         self.peak = max(self.peak, record["peak_mem_mb"])
@@ -51,7 +51,7 @@ class StepLog:
                 f"{c.precision.scaler.get_scale():g}" if skipped == "amp_overflow" else
                 f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
                 f"dropped, no optimizer step ({p.skipped} skipped so far)"))
-        self.metrics.write(record)
+        self.metrics.step(record)
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
         self.bar.update()
         if p.step % c.cfg.trainer.log_every == 0:

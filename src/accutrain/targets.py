@@ -30,9 +30,10 @@ def load_target(key: str, target: str) -> Callable[..., Any]:
     raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
 
 
-def factory(group: str, node: DictConfig | dict) -> tuple[Callable[..., Any], dict[str, Any]]:
+def factory(group: str, node: DictConfig | dict, key: Optional[str] = None
+            ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """(the callable `group._target_` names, the node's other keys as plain Python values), leaving out the keys
-    accutrain applies itself (config.OWN_KEYS)."""
+    accutrain applies itself (config.OWN_KEYS). `key` names the node in errors when it is not the group itself."""
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    target = load_target(f"{group}._target_", values["_target_"])
+    target = load_target(f"{key or group}._target_", values["_target_"])
     return target, {k: v for k, v in values.items() if k not in OWN_KEYS[group]}

@@ -2,6 +2,7 @@
 the batch arithmetic is checked by plan.make_plan."""
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -9,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from accutrain.config import LRScaling
 from accutrain.errors import UserError
 from accutrain.monitor import METRICS
+from accutrain.signals import UNCATCHABLE
 
 
 def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
@@ -41,13 +43,20 @@ def validate(cfg: DictConfig) -> None:
             raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
-    if cfg.micro_batch == "auto" and cfg.global_batch is None:
+    if cfg.get("batch_schedule") is not None and (cfg.accum is not None or cfg.global_batch is not None):
+        key = "accum" if cfg.accum is not None else "global_batch"
+        raise UserError(f"batch_schedule sets the effective batch of every window: drop {key}={cfg[key]} (accum "
+                        "follows from the schedule and micro_batch × devices)")
+    if cfg.micro_batch == "auto" and cfg.global_batch is None and cfg.get("batch_schedule") is None:
         raise UserError("micro_batch=auto needs global_batch=N: the effective batch to keep while it finds the "
                         "largest micro-batch that fits")
     if cfg.micro_batch == "auto" and cfg.accum is not None:
         raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
     if t.accum_dtype not in (None, "float32"):
         raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
+    if t.dist_timeout_s <= 0:
+        raise UserError(f"trainer.dist_timeout_s={t.dist_timeout_s} is not valid: expected a positive number of "
+                        "seconds")
     if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.model.get("norm_groups", 1) < 1:
@@ -79,6 +88,10 @@ def validate(cfg: DictConfig) -> None:
                         "evaluations, or null")
     if t.min_delta < 0:
         raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
+    for name in t.preempt_signals:
+        if name not in signal.Signals.__members__ or name in UNCATCHABLE:
+            raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
+                            "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
     validate_strategy(cfg)
 
 

@@ -14,7 +14,6 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from accutrain.config import LastWindow
 from accutrain.plan import BatchPlan
 from accutrain import seeding
 
@@ -27,6 +26,7 @@ class Window:
     index: int  # position in the epoch
     size: int  # samples in the whole window, all ranks together
     sizes: tuple[int, ...]  # this rank's micro-batches, in samples (every rank has as many; the last ones may be 0)
+    batch: int  # the effective batch it stands for: its size, or more for an epoch's incomplete last window
 
 
 class MicroBatch(list):
@@ -67,12 +67,14 @@ class WindowSampler(Sampler[MicroBatch]):
     def windows(self) -> Iterator[list[MicroBatch]]:
         """This rank's micro-batches of each window of the epoch, from the start window on."""
         order = epoch_order(self.plan.train_size, self.seed, self.epoch)
-        size = self.plan.effective
-        for index in range(self.start, self.plan.steps_per_epoch):
-            samples = order[index * size : (index + 1) * size].tolist()
-            assert len(samples) == size or self.plan.last_window is LastWindow.step
+        sizes = self.plan.window_sizes(self.epoch)
+        seen, start = self.plan.seen_before(self.epoch), sum(sizes[: self.start])
+        for index in range(self.start, len(sizes)):
+            samples = order[start : start + sizes[index]].tolist()
             share = rank_share(samples, self.plan.micro_batch, self.rank, self.world)
-            window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share))
+            window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share),
+                            self.plan.batch_at(seen + start))
+            start += len(samples)
             yield [MicroBatch(indices, window) for indices in share]
 
     def __iter__(self) -> Iterator[MicroBatch]:
@@ -81,12 +83,8 @@ class WindowSampler(Sampler[MicroBatch]):
 
     def __len__(self) -> int:
         """This rank's micro-batches from the start window to the end of the epoch (empty ones included)."""
-        plan = self.plan
-        full = min(plan.train_size // plan.effective, plan.steps_per_epoch)
-        stepped_tail = plan.steps_per_epoch > full  # the epoch ends with an incomplete window that is stepped on
-        tail_steps = math.ceil(math.ceil(plan.tail / plan.micro_batch) / self.world) if stepped_tail else 0
-        skipped = min(self.start, full) * plan.accum + (tail_steps if self.start > full else 0)
-        return full * plan.accum + tail_steps - skipped
+        sizes = self.plan.window_sizes(self.epoch)[self.start :]
+        return sum(math.ceil(math.ceil(size / self.plan.micro_batch) / self.world) for size in sizes)
 
 
 class WindowData(Dataset):
