@@ -11,7 +11,8 @@ With --strategies it compares how 2 devices share a model whose AdamW state matt
 devices 2, each a fresh process, alternated over --rounds (medians of samples/s). Peak memory is rank 0's (the
 ranks are symmetric); on the CPU it is the resident set, with glibc's MALLOC_MMAP_THRESHOLD_ set so that freed
 buffers return to the system (FSDP's many transient all-gather buffers otherwise fragment the heap and the RSS
-shows the allocator, not the tensors). "state" is params + gradients + AdamW's two moments one rank holds.
+shows the allocator, not the tensors). "state" is params + gradients + AdamW's two moments one rank holds;
+"above the process" subtracts the peak of the same run with a 2-wide MLP (imports, process group, data, loader).
 
     python scripts/bench_memory.py                       # 224 px images, 6 optimizer steps per run
     python scripts/bench_memory.py --image-size 224 --steps 12 --out docs/memory_gpu.png   # on a GPU
@@ -58,14 +59,15 @@ STRATEGIES = [("DDP", ["strategy=ddp"]),
               ("FSDP sync=each", ["strategy=fsdp", "strategy.sync=each"]),
               ("FSDP sync=last", ["strategy=fsdp", "strategy.sync=last"]),
               ("FSDP sync=each + cpu_offload", ["strategy=fsdp", "strategy.cpu_offload=true"])]
-MLP = ["model=mlp", "model.hidden=[2048,2048,2048]", "data=synthetic", "data.image_size=32", "data.channels=2",
+MLP = ["model=mlp", "data=synthetic", "data.image_size=32", "data.channels=2",
        "data.size=1024", "data.val_size=16", "optim=adamw", "micro_batch=8", "accum=4", "devices=2",
        "strategy.wrap=[Linear]"]
 
 
-def run_strategy(extra: list[str], args: argparse.Namespace) -> tuple[float, float, float]:
+def run_strategy(extra: list[str], args: argparse.Namespace, width: int = 2048) -> tuple[float, float, float]:
     """(highest per-step peak MiB of rank 0, samples/s after the warm-up, params + grads + AdamW MiB per rank)."""
-    overrides = [*MLP[:-1], *extra] + ([MLP[-1]] if "strategy=fsdp" in extra else [])
+    overrides = [*MLP[:-1], *extra, f"model.hidden=[{width},{width},{width}]"] + (
+        [MLP[-1]] if "strategy=fsdp" in extra else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "accutrain", *overrides, "trainer.epochs=null",
@@ -89,6 +91,8 @@ def strategies(args: argparse.Namespace) -> None:
     print(f"MLP 2048×2048 ×3 (12.6 M parameters), AdamW, micro_batch 8 × accum 4 × devices 2; {threshold}; "
           f"{args.steps} optimizer steps per run, first {args.warmup} untimed; {args.rounds} round(s)")
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _ in STRATEGIES}
+    base = {name: run_strategy(extra, args, width=2)[0] for name, extra in STRATEGIES}
+    print("the process without the model (a 2-wide MLP): " + ", ".join(f"{n} {mb:.0f} MiB" for n, mb in base.items()))
     for round_ in range(args.rounds):
         order = STRATEGIES if round_ % 2 == 0 else STRATEGIES[::-1]  # alternate: the machine's drift hits both
         for name, extra in order:
@@ -96,10 +100,11 @@ def strategies(args: argparse.Namespace) -> None:
             print(f"round {round_ + 1}: {name:<30} peak {results[name][-1][0]:7.0f} MiB  "
                   f"{results[name][-1][1]:8.1f} samples/s", flush=True)
     print(f"| {'strategy (devices=2)':<30} | {'state per rank (MiB)':>20} | {'peak memory, rank 0 (MiB)':>25} | "
-          f"{'samples/s (median)':>18} |")
-    print(f"|{'-' * 32}|{'-' * 22}|{'-' * 27}|{'-' * 20}|")
+          f"{'above the process (MiB)':>23} | {'samples/s (median)':>18} |")
+    print(f"|{'-' * 32}|{'-' * 22}|{'-' * 27}|{'-' * 25}|{'-' * 20}|")
     for name, runs in results.items():
-        print(f"| {name:<30} | {runs[0][2]:>20.0f} | {max(r[0] for r in runs):>25.0f} | "
+        peak = max(r[0] for r in runs)
+        print(f"| {name:<30} | {runs[0][2]:>20.0f} | {peak:>25.0f} | {peak - base[name]:>23.0f} | "
               f"{statistics.median(r[1] for r in runs):>18.1f} |")
 
 

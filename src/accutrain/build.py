@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Subset, default_collate
 
-from accutrain import data, lr_scaling, memory, models, norms
+from accutrain import data, dist, lr_scaling, memory, models, norms
 from accutrain.auto_batch import auto_micro_batch
 from accutrain.dist import World
 from accutrain.ema import EMA, make_ema

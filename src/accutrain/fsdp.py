@@ -86,6 +86,8 @@ class FSDP(Strategy):
         units = units_to_shard(model, self.cfg.wrap)
         owners = [m for m in [*units, model] if owned_parameters(m, units)]
         kinds = sorted({type(u).__name__ for u in units})  # before fully_shard renames them FSDP<Name>
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the mesh's device: where fully_shard moves the shards
         if not torch_dist.is_initialized():  # one device: FSDP still needs a process group (of one)
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
