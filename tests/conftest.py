@@ -28,6 +28,8 @@ from accutrain.launch import train
 # several processes each spinning up threads for every core would slow one another down many times over.
 torch.set_num_threads(1)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# No network here or in CI: a Hugging Face name not in the local cache fails at once instead of retrying for 24 s.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Tiny, fast, exact: the debug preset's MLP (no BatchNorm, no dropout) on generated 1×8×8 images, narrowed.
 TINY = ["debug=fast", "model.hidden=[32]"]

@@ -1,6 +1,7 @@
 """`micro_batch=auto`: the largest micro-batch whose real training step fits, found by trial steps and cached."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import json
@@ -11,9 +12,9 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.utils.data import default_collate
 
 from accutrain import dist
+from accutrain.batches import Batch, PadCollate, batch_format
 from accutrain.data import Datasets
 from accutrain.dist import World
 from accutrain.errors import UserError
@@ -52,8 +53,12 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
         log.info(f"micro_batch=auto: {found}, cached in {cache}")
         return found
 
-    def batch_of(size: int) -> Any:
-        return default_collate([datasets.train[i % len(datasets.train)] for i in range(size)])
+    collate = datasets.collate
+    if isinstance(collate, PadCollate):  # trials padded to the longest a micro-batch can be
+        collate = dataclasses.replace(collate, length=max(datasets.sample_shape))
+
+    def batch_of(size: int) -> Batch:
+        return batch_format(cfg.data, collate)([datasets.train[i % len(datasets.train)] for i in range(size)])
 
     fits = trial(model, optimizer, precision, batch_of, device, budget, loss, buffers)
     found, notes = search_micro_batch(window, fits, budget)
@@ -117,7 +122,7 @@ def write_cache(path: Path, key: str, micro_batch: int, description: str) -> Non
         log.warning(f"micro_batch=auto: could not cache the result in {path}: {e}")
 
 
-def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Any],
+def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Batch],
           device: torch.device, budget_mb: Optional[float], loss: Callable, buffers: Optional[BufferSpec] = None
           ) -> Callable[[int], tuple[bool, float]]:
     """fits(size): one real forward, backward and optimizer step on `size` samples, with the run's gradient buffers
@@ -126,15 +131,16 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, ba
     trace on training."""
     def fits(size: int) -> tuple[bool, float]:
         saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        x, y = batch_of(size)
+        batch = batch_of(size)
         held = None
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 reset_peak(device)
                 held = buffers.build(model) if buffers else None
+                batch = batch.to(device)
                 with precision.autocast():
-                    logits = model(precision.inputs(x.to(device)))
-                precision.backward(loss(logits, y.to(device)))
+                    logits = batch.forward(model, precision.inputs)
+                precision.backward(loss(logits, batch.target))
                 if held:
                     held.release()
                 optimizer.step()

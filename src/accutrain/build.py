@@ -7,24 +7,26 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.utils.data import DataLoader, Subset, default_collate
+from torch.utils.data import DataLoader, Subset
 
-from accutrain import data, dist, lr_scaling, memory, models, norms
+from accutrain import data, dist, lr_scaling, memory, models, norms, pitfalls
 from accutrain.auto_batch import auto_micro_batch
+from accutrain.batches import BatchFormat, batch_format
 from accutrain.dist import World
 from accutrain.ema import EMA, make_ema
+from accutrain.errors import UserError
 from accutrain.monitor import Monitor
 from accutrain.plan import BatchPlan, make_plan
 from accutrain.precision import Precision, make_precision
 from accutrain.seeding import seed_everything
 from accutrain.step import SummedLoss, make_loss
 from accutrain.strategy import Strategy, make_strategy
-from accutrain.targets import factory
+from accutrain.targets import accepted, factory
 from accutrain.windows import WindowSampler, window_loader
 
 log = logging.getLogger("accutrain")
@@ -51,6 +53,7 @@ class Components:
     loss: SummedLoss
     ema: Optional[EMA]  # the moving average of the weights (trainer.ema)
     monitor: Monitor  # the evaluation metric best.pt and early stopping follow
+    tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)
 
 
 def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Optional[Path] = None) -> Components:
@@ -58,13 +61,21 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     trainer = cfg.trainer
     seed_everything(cfg.seed)  # the initial weights depend on the seed only: the data is made on a fork of the RNG
     make_data, data_kwargs = factory("data", cfg.data)
+    data_kwargs = {**accepted(make_data, dict(seed=cfg.seed)), **data_kwargs}  # the run's seed, unless given
     with main_first(world), torch.random.fork_rng(devices=[]):
         datasets: data.Datasets = make_data(**data_kwargs)
     precision = make_precision(trainer.precision, device)
-    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index)
+    batches = batch_format(cfg.data, datasets.collate)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
-    model = strategy.prepare(build_model(cfg, datasets, world, device, precision, strategy))
+    model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
+    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index, cfg.loss.shift_labels, model)
+    if loss.shift_labels and batches([datasets.train[0]]).target.dim() < 2:
+        raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
+                        "target per sample")
+    if trainer.export == "hf" and not hasattr(model, "save_pretrained"):
+        raise UserError(f"trainer.export=hf needs a Hugging Face model (model=hf_causal_lm or model=hf_seq_cls), "
+                        f"not {cfg.model._target_}")
 
     make_optimizer, optim_kwargs = factory("optim", cfg.optim)
     optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
@@ -99,24 +110,34 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     pin = device.type == "cuda"
     sampler = WindowSampler(plan, cfg.seed, world.rank, world.size)
     # The loader draws its workers' seeds from its own generator, never from the global RNG that dropout uses.
+    # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
+    # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
+    # communicates (a skipped stand-in would leave the other ranks waiting) and which takes zero samples.
     loader = window_loader(datasets.train, sampler, cfg.data.num_workers, pin,
-                           generator=torch.Generator().manual_seed(cfg.seed))
+                           generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
+                           stand_in=not synced and not strategy.lockstep)
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = strategy.eval_batches(
-        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin), datasets.val)
-    if warning := norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced):
-        log.warning(warning)
+        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin,
+                         collate=batches), lambda: batches([datasets.val[0]]).head(0))
+    for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
+                    pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),
+                    pitfalls.unshifted_labels_warning(loader.dataset.__getitems__(next(sampler.windows())[0])[1],
+                                                      loss)):
+        if warning:
+            log.warning(warning)
     return Components(cfg, world, plan, device, model, wrapped, strategy, optimizer, scheduler, sampler, loader,
-                      val_loader, precision, buffers, loss, make_ema(trainer, model), Monitor.from_config(trainer))
+                      val_loader, precision, buffers, loss, make_ema(trainer, model), Monitor.from_config(trainer),
+                      datasets.tokenizer)
 
 
-def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: torch.device, precision: Precision,
-                strategy: Optional[Strategy] = None) -> nn.Module:
+def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
+                precision: Precision, strategy: Optional[Strategy] = None) -> nn.Module:
     """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device
     (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm comes later, in build,
     once micro_batch=auto has searched)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    example = default_collate([datasets.train[i] for i in range(min(2, len(datasets.train)))])
+    example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     norms.convert_norm(model, cfg.model.get("norm", "keep"), cfg.model.get("norm_groups", 32))
     if cfg.trainer.activation_checkpointing:
@@ -128,7 +149,7 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, world: World, device: 
     if strategy is not None:
         strategy.check_model(model, cfg)
     model = model.to(device=strategy.model_device(device) if strategy else device, dtype=precision.param_dtype)
-    log.info(f"model {cfg.model.get('name', cfg.model._target_)}: {models.count_parameters(model):,} parameters, "
+    log.info(f"model {models.model_name(model_cfg)}: {models.count_parameters(model):,} parameters, "
              f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
              + (f", precision {precision.name}" if precision.name != "32" else ""))
     return model

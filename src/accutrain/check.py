@@ -20,16 +20,18 @@ from omegaconf import DictConfig
 from torch import nn
 
 from accutrain import memory
+from accutrain.batches import Batch, as_batch
 from accutrain.build import Components, build
 from accutrain.checkpoint import rng_state, set_rng_state
 from accutrain.dist import World, count_devices, resolve_device
-from accutrain.norms import REMEDIES, batchnorm_layers, dropout_layers, local_batchnorm
+from accutrain.norms import REMEDIES, batchnorm_layers, local_batchnorm
+from accutrain.pitfalls import dropout_layers
 from accutrain.plan import derive_accum
 from accutrain.precision import full_float32, tolerance
 from accutrain.seeding import deterministic_algorithms
-from accutrain.step import SummedLoss, accumulate, count_terms
+from accutrain.step import SummedLoss, accumulate
 from accutrain.validate import validate
-from accutrain.windows import WindowSampler
+from accutrain.windows import MicroBatch, WindowSampler
 
 
 @dataclass
@@ -88,11 +90,19 @@ def synced_devices(c: Components) -> int:
     return c.world.size if c.world.size > 1 else c.cfg.devices if isinstance(c.cfg.devices, int) else 1
 
 
-def window_batches(c: Components) -> list[tuple[torch.Tensor, ...]]:
-    """The run's first window (epoch 0), cut into micro-batches of the configured size, every device's share."""
+def window_batches(c: Components, devices: int = 1) -> tuple[list[Batch], Batch]:
+    """The run's first window (epoch 0) as the micro-steps that run it — each every device's micro-batch of that
+    step when `devices` > 1 (SyncBatchNorm normalises over them together) — and as one batch (padded to its
+    longest sample, for data padded per micro-batch)."""
     sampler = WindowSampler(c.plan, c.cfg.seed)  # rank 0 of 1: every device's micro-batches, in turn
     sampler.set_epoch(0)
-    return [tuple(c.loader.dataset.__getitems__(micro_batch)[1]) for micro_batch in next(sampler.windows())]
+    micro_batches = next(sampler.windows())
+
+    def fetch(parts: list[MicroBatch]) -> Batch:
+        return c.loader.dataset.__getitems__(MicroBatch([i for part in parts for i in part], parts[0].window))[1]
+
+    return ([fetch(micro_batches[k : k + devices]) for k in range(0, len(micro_batches), devices)],
+            fetch(micro_batches))
 
 
 def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
@@ -154,14 +164,12 @@ def run_check(c: Components) -> Check:
 def _compare(c: Components) -> Check:
     device, loss = c.device, c.loss
     precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
-    micro = window_batches(c)
-    devices = synced_devices(c)  # micro-batch k runs at micro-step k // devices, on rank k % devices
-    steps = [tuple(torch.cat(parts) for parts in zip(*micro[i: i + devices])) for i in range(0, len(micro), devices)]
-    accumulated = _gradient(c, c.model, steps, loss.terms(micro), device, precision, loss)
+    micro, whole = window_batches(c, synced_devices(c))  # micro-batch k runs at micro-step k // devices
+    accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
 
-    big = [tuple(torch.cat(parts) for parts in zip(*micro))]
-    per_element = big[0][1].dim() > 1
-    reference_terms = count_terms(big, per_element, loss.ignore_index)  # the big batch's mean
+    big = [whole]
+    per_element = whole.target.dim() > 1
+    reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
     reference, where = None, str(device)
     try:
         reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
@@ -173,23 +181,36 @@ def _compare(c: Components) -> Check:
         cpu = _cpu_copy(c.model, torch.float64)
         fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
                                    param_dtype=torch.float64)
-        reference = _gradient(c, cpu, [tuple(t.double() if t.is_floating_point() else t for t in big[0])],
+        reference = _gradient(c, cpu, [whole.apply(lambda t: t.double() if t.is_floating_point() else t)],
                               reference_terms, torch.device("cpu"), fp64, loss)
         where = "the CPU in float64 (the window does not fit the device)"
 
     groups: dict[str, list[str]] = defaultdict(list)
+    depth = wrapper_depth(list(accumulated))
     for name in accumulated:
-        groups[name.split(".")[0]].append(name)
+        groups[name.split(".")[depth]].append(name)  # its top-level module below the wrappers
     per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
                  for g, names in groups.items()}
     overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
-    check = Check(len(big[0][1]), c.plan.micro_batch, len(micro), precision.name, per_group, overall,
+    micro_batches = -(-len(whole) // c.plan.micro_batch)  # every device's, of up to micro_batch samples
+    check = Check(len(whole), c.plan.micro_batch, micro_batches, precision.name, per_group, overall,
                   tolerance(precision.name), where)
-    check.causes = causes(c.model, micro, big[0], c.plan.micro_batch * devices, check, loss.elements, per_element)
+    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check, loss.elements,
+                          per_element)
     return check
 
 
-def causes(model: nn.Module, micro: list, big: tuple, seen: int, check: Check, elements: bool,
+def wrapper_depth(names: list[str]) -> int:
+    """How many leading module names every parameter shares: the wrappers around the model proper (a Hugging Face
+    model in accutrain's adapter, `model.transformer.…`, is grouped by `wte`, `h`, `ln_f`, … below them)."""
+    split = [n.split(".")[:-1] for n in names]
+    depth = 0
+    while split and all(len(parts) > depth and parts[depth] == split[0][depth] for parts in split):
+        depth += 1
+    return depth
+
+
+def causes(model: nn.Module, micro: list[Batch], big: Batch, seen: int, check: Check, elements: bool,
            per_element: bool) -> list[str]:
     """What in the model and loss makes (or could make) the accumulated step differ from the big batch's; `seen`:
     the samples one BatchNorm statistic covers (a micro-batch, or every device's with SyncBatchNorm)."""
@@ -204,7 +225,7 @@ def causes(model: nn.Module, micro: list, big: tuple, seen: int, check: Check, e
         found.append(f"{len(dropout)} dropout layers in training mode ({', '.join(dropout[:4])}"
                      f"{', …' if len(dropout) > 4 else ''}): their random masks depend on how the window is cut; "
                      "the step matches the big batch's in distribution, not draw for draw")
-    probe = micro[0] if len(micro[0][0]) >= 2 else tuple(t[:2] for t in big)  # a micro-batch: it fits
+    probe = micro[0] if len(micro[0]) >= 2 else big.head(2)  # a micro-batch: it fits
     try:
         others = [n for n in batch_dependent_modules(model, probe) if n not in norms]
     except Exception as e:
@@ -223,19 +244,18 @@ def causes(model: nn.Module, micro: list, big: tuple, seen: int, check: Check, e
 
 
 @torch.no_grad()
-def batch_dependent_modules(model: nn.Module, batch: tuple) -> list[str]:
+def batch_dependent_modules(model: nn.Module, batch: Batch | tuple) -> list[str]:
     """Modules whose output for the first half of a batch changes when the second half is left out (each run on
     its own recorded input, dropout off); only the innermost such modules are named."""
     probe = _cpu_copy(model, torch.float32)
     for name in dropout_layers(probe):
         probe.get_submodule(name).eval()
-    x = batch[0].to("cpu")
-    x = x.float() if x.is_floating_point() else x
-    n, recorded = len(x), {}
+    batch = as_batch(batch).apply(lambda t: t.to("cpu").float() if t.is_floating_point() else t.to("cpu"))
+    n, recorded = len(batch.target), {}
     hooks = [m.register_forward_hook(functools.partial(_record, recorded, name), with_kwargs=True)
              for name, m in probe.named_modules() if name]
     try:
-        probe(x)
+        batch.forward(probe)
     finally:
         for hook in hooks:
             hook.remove()

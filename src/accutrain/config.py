@@ -27,6 +27,7 @@ class Norm(enum.Enum):
 
 
 class Normalize(enum.Enum):
+    auto = "auto"  # the model's preference: tokens for model=hf_causal_lm, else samples
     samples = "samples"  # the window's loss is the mean over its samples
     elements = "elements"  # … over its elements (tokens, pixels), ignoring loss.ignore_index
     tokens = "tokens"  # the same as elements
@@ -101,12 +102,39 @@ class CharLMModel(ModelConfig):
     hidden: int = 64
 
 
+@dataclass
+class HFModel(ModelConfig):
+    """A Hugging Face transformers model (the `hf` extra): pretrained, or randomly initialised from a config."""
+
+    _target_: str = MISSING
+    name_or_path: Optional[str] = None  # a Hub name or a local directory (a save_pretrained output)
+    pretrained: bool = True  # with name_or_path: its weights; false: its architecture, randomly initialised
+    config: Dict[str, Any] = field(default_factory=dict)  # config overrides; without name_or_path: model_type + sizes
+    dropout: Optional[float] = None  # null: the model's own; 0 (or p): every dropout probability set to it
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto: the weights as loaded (training: trainer.precision)
+    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2 …; null: the library's choice
+    trust_remote_code: bool = False
+    revision: Optional[str] = None  # a Hub branch, tag or commit
+
+
+@dataclass
+class HFCausalLMModel(HFModel):
+    _target_: str = "accutrain.hf.causal_lm"
+
+
+@dataclass
+class HFSeqClsModel(HFModel):
+    _target_: str = "accutrain.hf.seq_cls"
+
+
 # --- data/ --------------------------------------------------------------------------------------------
 # `_target_` returns an accutrain.data.Datasets; num_workers is the loader's, not the factory's.
 @dataclass
 class DataConfig:
     _target_: str = MISSING
     num_workers: int = 0
+    input_keys: Optional[List[str]] = None  # mapping items: the model's keyword inputs; null: all but target_key
+    target_key: str = "labels"  # mapping items: the target
 
 
 @dataclass
@@ -144,6 +172,24 @@ class SequenceData(DataConfig):
     max_length: int = 32  # sequences are padded to this; padded positions are ignored by the loss
     seed: int = II("seed")
     pad_target: int = II("loss.ignore_index")
+
+
+@dataclass
+class TextData(DataConfig):
+    _target_: str = "accutrain.text.text_data"
+    train: str = MISSING  # a .txt file (a sample per non-empty line) or .jsonl (text, or prompt/response[, label])
+    val: Optional[str] = None  # the held-out file; null: val_fraction of train, held out by the seed
+    val_fraction: float = 0.1
+    tokenizer: str = "bytes"  # bytes (built in: UTF-8 bytes, no download) | a Hugging Face tokenizer name or path
+    max_length: int = 512  # tokens per sample (longer ones are truncated), or per block with packing
+    packing: bool = False  # concatenate the samples (each ending with EOS) and cut them into max_length blocks
+    padding: str = "longest"  # longest: a micro-batch is padded to its own longest sample | max_length
+    text_field: str = "text"
+    prompt_field: str = "prompt"  # with response_field: the prompt is masked out of the loss
+    response_field: str = "response"
+    label_field: Optional[str] = "label"  # records carrying it make a sequence classification set
+    seed: int = II("seed")
+    ignore_index: int = II("loss.ignore_index")
 
 
 @dataclass
@@ -201,8 +247,9 @@ class CosineSched(SchedConfig):
 
 @dataclass
 class LossConfig:
-    normalize: Normalize = Normalize.samples
+    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
+    shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
 
 
 # --- strategy/ ----------------------------------------------------------------------------------------
@@ -299,6 +346,7 @@ class TrainerConfig:
     # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
     # under submitit the job is then requeued and resumes).
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
 
 
 # --- batch_schedule/ -------------------------------------------------------------------------------------
@@ -337,11 +385,14 @@ SCHEMAS = {
     ("model", "mlp_schema"): MLPModel,
     ("model", "cnn_schema"): CNNModel,
     ("model", "char_lm_schema"): CharLMModel,
+    ("model", "hf_causal_lm_schema"): HFCausalLMModel,
+    ("model", "hf_seq_cls_schema"): HFSeqClsModel,
     ("data", "digits_schema"): DigitsData,
     ("data", "synthetic_schema"): SyntheticData,
     ("data", "torchvision_schema"): TorchvisionData,
     ("data", "image_folder_schema"): ImageFolderData,
     ("data", "sequences_schema"): SequenceData,
+    ("data", "text_schema"): TextData,
     ("optim", "sgd_schema"): SGDOptim,
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,
@@ -359,7 +410,7 @@ SCHEMAS = {
 # Keys of each group that accutrain applies itself; every other key is a keyword argument of the group's _target_.
 OWN_KEYS = {
     "model": ("_target_", "sync_batchnorm", "norm", "norm_groups"),
-    "data": ("_target_", "num_workers"),
+    "data": ("_target_", "num_workers", "input_keys", "target_key"),
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
     "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),

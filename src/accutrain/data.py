@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -19,8 +19,10 @@ from accutrain.seeding import generator
 
 @dataclass
 class Datasets:
-    """What a `data` factory returns: two splits of (input, target) pairs. A target is a class index per sample,
-    or per element (a sequence's tokens, an image's pixels) for element-level losses."""
+    """What a `data` factory returns: two splits of items — (input, target) pairs, or mappings whose target is
+    under `data.target_key` and whose other keys (or `data.input_keys`) are the model's keyword inputs. A target
+    is a class index per sample, or per element (a sequence's tokens, an image's pixels) for element-level
+    losses."""
 
     train: Dataset
     val: Dataset
@@ -28,6 +30,9 @@ class Datasets:
     sample_shape: tuple[int, ...]  # one input's shape: channels, height, width for images
     description: str
     extra: dict[str, Any] = field(default_factory=dict)  # more data-derived model arguments (vocab_size, …)
+    collate: Optional[Callable[[list], Any]] = None  # items → one micro-batch; None: torch's default_collate
+    tokenizer: Any = None  # saved beside an exported model (trainer.export=hf)
+    classes: str = "classes"  # what num_classes counts, for the log ("tokens in the vocabulary")
 
 
 class InMemory(Dataset):
@@ -123,7 +128,7 @@ def sequences(size: int, val_size: int, vocab: int, min_length: int, max_length:
     inputs[padded], targets[padded] = 0, pad_target
     return Datasets(InMemory(inputs[:size], targets[:size]), InMemory(inputs[size:], targets[size:]), vocab,
                     (max_length,), f"sequences (vocab {vocab}, length {min_length}–{max_length}, seed {seed})",
-                    extra=dict(vocab_size=vocab))
+                    extra=dict(vocab_size=vocab), classes="tokens in the vocabulary")
 
 
 _TORCHVISION = {
@@ -221,12 +226,13 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
                     f"imagefolder ({root_path}, {len(train.classes)} classes)")
 
 
-def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool,
+                collate: Optional[Callable[[list], Any]] = None) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0)
 
 
 def describe_split_sizes(ds: Datasets) -> str:
     return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val, "
-            f"{'×'.join(map(str, ds.sample_shape))}, {ds.num_classes} classes")
+            f"{'×'.join(map(str, ds.sample_shape))}, {ds.num_classes} {ds.classes}")
 

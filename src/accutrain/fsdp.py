@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as torch_dist
@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.data import default_collate
 
 from accutrain import state_dicts
 from accutrain.config import CheckpointFormat, Norm, Sync
@@ -164,10 +163,9 @@ class FSDP(Strategy):
                             "gradient of the window on the last micro-batch, which PyTorch's FSDP cannot reduce "
                             "(pytorch issue 196996); use strategy.sync=each") from None
 
-    def eval_batches(self, loader: Any, dataset: Any = None) -> Any:
+    def eval_batches(self, loader: Any, empty: Callable[[], Any]) -> Any:
         """Every rank runs as many evaluation forwards (each all-gathers): a shorter share ends with empty batches."""
-        sample = default_collate([dataset[0]]) if dataset is not None and len(dataset) else None
-        return EvenBatches(loader, self.world, lambda: [t[:0] for t in sample])
+        return EvenBatches(loader, self.world, empty)
 
     # --- checkpoints ----------------------------------------------------------------------------------------
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Optional[EMA]

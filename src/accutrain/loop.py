@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from accutrain import dist, lr_scaling, memory, norms
+from accutrain import dist, lr_scaling, memory, norms, pitfalls
 from accutrain.build import Components
 from accutrain.config import OnNonFinite
 from accutrain.errors import UserError
@@ -152,7 +152,7 @@ def cut_after_oom(c: Components, p: Progress, window: Window, error: Exception) 
 def twice_note(model: torch.nn.Module) -> str:
     """What running a window again from its first micro-batch after an out-of-memory does twice, for the log."""
     twice = (["BatchNorm's running statistics take those samples in twice"] if norms.batchnorm_layers(model, True)
-             else []) + (["dropout draws new masks (the random stream moves on)"] if norms.dropout_layers(model)
+             else []) + (["dropout draws new masks (the random stream moves on)"] if pitfalls.dropout_layers(model)
                          else [])
     return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
 
@@ -190,8 +190,9 @@ def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> bool:
             record.update(measure(c, "_ema"))
     metrics.evaluation(record)
     log.info(f"step {p.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
-             f"{record['val_acc']:.4f}" + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc "
-                                            f"{record['val_acc_ema']:.4f})" if c.ema is not None else ""))
+             f"{record['val_acc']:.4f}" + (f"  val_ppl {record['val_ppl']:.4g}" if "val_ppl" in record else "")
+             + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc {record['val_acc_ema']:.4f})"
+                if c.ema is not None else ""))
     value = record[c.monitor.metric]
     if c.monitor.improves(value, p.best):
         p.best, p.best_step, p.evals_since_best = value, p.step, 0
@@ -202,6 +203,9 @@ def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> bool:
 
 def measure(c: Components, suffix: str) -> dict[str, float]:
     """val_loss and val_acc (named with `suffix`) of the model's current weights over the whole held-out split."""
-    sums = evaluate(c.wrapped, c.val_loader, c.device, c.precision, c.loss.ignore_index)
+    sums = evaluate(c.wrapped, c.val_loader, c.device, c.precision, c.loss)
     loss_sum, correct, n = dist.all_reduce_sum(sums, c.world).tolist()
-    return {f"val_loss{suffix}": loss_sum / n, f"val_acc{suffix}": correct / n}
+    measured = {f"val_loss{suffix}": loss_sum / n, f"val_acc{suffix}": correct / n}
+    if c.loss.elements:  # perplexity, per token
+        measured[f"val_ppl{suffix}"] = math.exp(min(loss_sum / n, 700))
+    return measured

@@ -1,14 +1,18 @@
 """Model factories selected by `model=`: torchvision classifiers by name, small mlp/cnn, or a user `_target_`."""
 from __future__ import annotations
 
-import inspect
+import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from accutrain.batches import Batch, as_batch
 from accutrain.errors import UserError
+from accutrain.targets import accepted
 from accutrain.targets import factory as target_and_args
+
+log = logging.getLogger("accutrain")
 
 
 def mlp(num_classes: int, in_channels: int, image_size: int, hidden: list[int], dropout: float = 0.0) -> nn.Module:
@@ -125,44 +129,83 @@ def torchvision_classifier(
 
 
 def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,
-                example: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> nn.Module:
+                example: Optional[Batch | tuple[Any, torch.Tensor]] = None) -> nn.Module:
     """Call `cfg._target_` with the other keys of `cfg` (but config.OWN_KEYS), plus the data's arguments
     (num_classes, in_channels, image_size, and `extra`) that it takes.
 
     A dry forward pass (on two samples of the data, `example`, or two blank images) checks that the model takes
-    the data and returns one logit per class, so a mismatch is one clear line now rather than a traceback in the
-    first step.
+    the data and returns one logit per class (per element: at least one per class, in dimension 1), so a mismatch
+    is one clear line now rather than a traceback in the first step.
     """
     factory, kwargs = target_and_args("model", cfg)
     from_data: dict[str, Any] = dict(num_classes=num_classes, **(extra or {}))
     if len(sample_shape) == 3:
         from_data.update(in_channels=sample_shape[0], image_size=sample_shape[1])
-    params = inspect.signature(factory).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kwargs.update({k: v for k, v in from_data.items() if takes_any or k in params})
+    kwargs.update(accepted(factory, from_data))
     try:
         model = factory(**kwargs)
     except TypeError as e:
         raise UserError(f"model._target_={cfg['_target_']}: {e}") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
-    x, y = example if example is not None else (torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
-    shape = "×".join(map(str, x.shape[1:]))
+    if example is None:
+        example = Batch(torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
+    example = as_batch(example)
+    name = model_name(cfg)
     model.eval()
+    check_output(model, example, num_classes, name)
+    target = example.target
+    if target.dim() > 1 and num_classes in target.shape[1:]:  # (batch, length, classes) would pass as well
+        length = target.shape[1]
+        shorter = example.apply(lambda t: t[:, : length - 1] if t.dim() > 1 and t.shape[1] == length else t)
+        check_output(model, shorter, num_classes, name, second=True)
+    model.train()
+    return model
+
+
+def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, second: bool = False) -> None:
+    """Forward `example` (no gradient) and refuse, in one line, an exception or logits that are not one per class
+    (per sample, or per element in cross_entropy's layout: batch, classes, elements…)."""
+    shape = " and ".join("×".join(map(str, t.shape[1:])) for t in example.tensors())
     try:
         with torch.no_grad():
-            out = model(x)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise UserError(f"the model does not take {shape} inputs ({first}); choose a model for this input size or "
-                        "other data") from None
-    model.train()
-    expected = (len(x), num_classes, *y.shape[1:])  # per sample, or per element in cross_entropy's layout
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise UserError(f"the model returns {got} for a batch of {len(x)}, expected {expected}: one logit per class "
-                        "of the data" + (" per element (classes in dimension 1)" if y.dim() > 1 else ""))
-    return model
+            out = example.forward(model)
+    except Exception as e:  # whatever the model raises: one line naming it
+        first = (str(e).strip().splitlines() or [""])[0]
+        if second:
+            log.warning(f"the model's output has as many positions as classes ({num_classes}), so its layout "
+                        f"(batch, classes, length) cannot be told from (batch, length, classes), and it fails on a "
+                        f"shorter input ({type(e).__name__}: {first}): make sure its classes are in dimension 1")
+            return
+        raise UserError(f"model {name} does not take {shape} inputs ({type(e).__name__}: {first}); choose a model "
+                        "for this input size or other data") from None
+    y, n = example.target, len(example.target)
+    if not isinstance(out, torch.Tensor):
+        hint = (": a Hugging Face ModelOutput — use model=hf_causal_lm or model=hf_seq_cls, or return its .logits "
+                "from your forward" if hasattr(out, "logits") else "")
+        raise UserError(f"model {name} returns a {type(out).__name__}, not a tensor of logits{hint}")
+    got, per_element = tuple(out.shape), y.dim() > 1
+    expected = (n, num_classes, *y.shape[1:])
+    if got == expected or (per_element and len(got) == len(expected) and got[0] == n and got[1] >= num_classes
+                           and got[2:] == expected[2:]):
+        return
+    message = (f"the model returns {got} for a batch of {n}, expected {expected}: one logit per class of the data"
+               + (" per element (classes in dimension 1)" if per_element else ""))
+    if per_element and got == (n, *y.shape[1:], num_classes):
+        message += ("; its classes are last (batch, length, classes): return logits.transpose(1, 2), "
+                    "cross_entropy's layout")
+        if second:
+            message += (f" (a length equal to the {num_classes} classes hid it: checked again on "
+                        f"{y.shape[1]} positions)")
+    raise UserError(message)
+
+
+def model_name(cfg: Any) -> str:
+    """How the log names the configured model: its name, its Hugging Face name or model type, or its _target_."""
+    config = cfg.get("config")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return cfg.get("name") or cfg.get("name_or_path") or (f"{model_type} (random init)" if model_type else
+                                                          cfg["_target_"])
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -36,17 +36,6 @@ def is_frozen(module: nn.Module) -> bool:
     return getattr(module.train, "__func__", None) is _stay_in_eval
 
 
-def dropout_layers(model: nn.Module) -> list[str]:
-    """Names of the dropout layers (stochastic depth included) in training mode with a non-zero rate."""
-    found = []
-    for name, m in model.named_modules():
-        p = getattr(m, "p", 0)
-        if m.training and isinstance(p, float) and p > 0 and ("dropout" in type(m).__name__.lower()
-                                                              or type(m).__name__ == "StochasticDepth"):
-            found.append(name)
-    return found
-
-
 def convert_norm(model: nn.Module, norm: Any, groups: int) -> int:
     """model.norm: BatchNorm → GroupNorm (`group`, affine weights carried over), or kept in eval mode with its
     running statistics fixed (`frozen`; its scale and shift still train). Returns how many layers changed."""

@@ -63,6 +63,10 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         raise
     finally:
         metrics.close()
+    if world.main and cfg.trainer.export == "hf" and not out.stopped_by:
+        from accutrain.hf import export
+
+        log.info(f"exported with save_pretrained to {export(c.model, c.tokenizer, run_dir / 'hf')}")
     if world.main:
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
                         out.peak_mb)

@@ -7,7 +7,9 @@ For a window W (every micro-batch on every rank before one optimizer step) with 
 |W| is the real count, so the step is the big batch's step also when the last micro-batch of an epoch is short
 or the last window incomplete (dividing by `accum` would over-weight a short tail). With DDP averaging over
 `world` ranks, each rank scales its sum by world / |W|. The loss terms are the window's samples, or (for
-element-level losses, loss.normalize=elements) its elements (tokens, pixels) whose target is not ignore_index.
+element-level losses, loss.normalize=elements) its elements (tokens, pixels) whose target is not ignore_index —
+counted after the shift when the labels are shifted (loss.shift_labels). A batch is an accutrain.batches.Batch (or
+an (inputs, target) pair); a stand-in batch (a rank with an empty share) backpropagates exact zeros.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accutrain.batches import Batch, as_batch, stand_in_guard
 from accutrain.config import Normalize
 from accutrain.dist import is_sharded
 from accutrain.precision import Precision, make_precision
@@ -35,11 +38,20 @@ def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_inde
     return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index)
 
 
-def count_terms(micro_batches: Iterable[Sequence[torch.Tensor]], elements: bool, ignore_index: int = -100) -> int:
-    """The loss terms in these micro-batches: samples, or elements whose target is not ignore_index."""
+def shift_left(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Position t's target becomes labels[t + 1] (the last position gets ignore_index): the targets of a causal LM
+    whose labels are its inputs (Hugging Face's convention labels = input_ids)."""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def count_terms(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], elements: bool, ignore_index: int = -100
+                ) -> int:
+    """The loss terms in these micro-batches (targets as the loss sees them): samples, or elements whose target is
+    not ignore_index. A stand-in has none."""
+    batches = [as_batch(b) for b in micro_batches]
     if not elements:
-        return sum(len(b[1]) for b in micro_batches)
-    return int(sum(int((b[1] != ignore_index).sum()) for b in micro_batches))
+        return sum(len(b) for b in batches)
+    return int(sum(int((b.target != ignore_index).sum()) for b in batches if not b.stand_in))
 
 
 @dataclass(frozen=True)
@@ -48,21 +60,37 @@ class SummedLoss:
 
     elements: bool = False  # terms are elements (tokens), not samples
     ignore_index: int = -100
+    shift_labels: bool = False  # targets are the labels shifted left by one position (labels = input_ids)
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return summed_cross_entropy(logits, target, self.ignore_index)
+    def target(self, labels: torch.Tensor) -> torch.Tensor:
+        """The targets the loss compares the logits with."""
+        return shift_left(labels, self.ignore_index) if self.shift_labels else labels
 
-    def terms(self, micro_batches: Iterable[Sequence[torch.Tensor]]) -> int:
-        return count_terms(micro_batches, self.elements, self.ignore_index)
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return summed_cross_entropy(logits, self.target(labels), self.ignore_index)
+
+    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
+        """|W| of these micro-batches: samples, or elements counted after the shift."""
+        batches = [as_batch(b) for b in micro_batches]
+        if self.shift_labels:
+            batches = [Batch(b.inputs, self.target(b.target), b.stand_in) for b in batches]
+        return count_terms(batches, self.elements, self.ignore_index)
 
 
-def make_loss(normalize: Normalize, ignore_index: int) -> SummedLoss:
-    return SummedLoss(normalize in (Normalize.elements, Normalize.tokens), ignore_index)
+def make_loss(normalize: Normalize, ignore_index: int, shift_labels: Optional[bool] = None,
+              model: Optional[nn.Module] = None) -> SummedLoss:
+    """The run's loss; `loss.normalize=auto` and `loss.shift_labels=null` take the model's `loss_defaults` (model=
+    hf_causal_lm: tokens, shifted), else samples, unshifted."""
+    defaults = getattr(model, "loss_defaults", {})
+    if normalize is Normalize.auto:
+        normalize = Normalize(defaults.get("normalize", "samples"))
+    shift = defaults.get("shift_labels", False) if shift_labels is None else shift_labels
+    return SummedLoss(normalize in (Normalize.elements, Normalize.tokens), ignore_index, shift)
 
 
 def accumulate(
     model: nn.Module,
-    micro_batches: Iterable[Sequence[torch.Tensor]],
+    micro_batches: Iterable[Batch | Sequence[torch.Tensor]],
     terms: int,
     device: torch.device,
     *,
@@ -75,8 +103,9 @@ def accumulate(
 
     `terms` is |W|, the window's loss terms on all ranks (samples, or elements), known before the first backward.
     Micro-batches are taken one at a time and backward runs on each, so only one micro-batch's activations are
-    alive at a time. Gradients are synchronised across ranks on the last micro-batch only. Returns this rank's
-    summed loss.
+    alive at a time. Gradients are synchronised across ranks on the last micro-batch only. A stand-in batch (this
+    rank's share of a short window is empty) is skipped under no_sync; on the synchronising micro-batch it is
+    forwarded and backpropagates exact zeros, so the all-reduce happens. Returns this rank's summed loss.
     """
     precision = precision or FP32
     scale = world / terms
@@ -85,13 +114,19 @@ def accumulate(
     batch = next(batches, None)
     while batch is not None:
         following = next(batches, None)  # looked up first: the last micro-batch is the one that synchronises
-        x, y = batch
-        with no_sync() if following is not None else nullcontext():  # one gradient all-reduce per window
+        batch = as_batch(batch)
+        if batch.stand_in and following is not None:
+            batch = following  # nothing to synchronise here: no forward needed
+            continue
+        with no_sync() if following is not None else nullcontext(), (  # one gradient all-reduce per window
+                stand_in_guard(model, device) if batch.stand_in else nullcontext()):
+            batch = batch.to(device)
             with precision.autocast():
-                logits = model(precision.inputs(x.to(device, non_blocking=True)))
-            loss_sum = loss(logits, y.to(device, non_blocking=True))
-            precision.backward(loss_sum * scale)
-        loss_total += loss_sum.detach()
+                logits = batch.forward(model, precision.inputs)
+            loss_sum = loss(logits, batch.target)
+            precision.backward(loss_sum * (0.0 if batch.stand_in else scale))
+        if not batch.stand_in:
+            loss_total += loss_sum.detach()
         batch = following
     return loss_total
 
@@ -101,16 +136,10 @@ def pieces(n: int, parts: int) -> int:
     return 1 if n <= 1 or parts == 1 else -(-n // -(-n // parts))
 
 
-def cut_micro_batches(micro_batches: Iterable[Sequence[torch.Tensor]], parts: int
-                      ) -> Iterable[tuple[torch.Tensor, ...]]:
+def cut_micro_batches(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], parts: int) -> Iterable[Batch]:
     """Cut every micro-batch into `parts` smaller ones (after an out-of-memory): the same samples, same window."""
     for batch in micro_batches:
-        n = len(batch[0])
-        if n <= 1 or parts == 1:
-            yield tuple(batch)
-            continue
-        size = -(-n // parts)
-        yield from zip(*(t.split(size) for t in batch))
+        yield from as_batch(batch).split(parts)
 
 
 def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
@@ -125,19 +154,20 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision: Optional[Precision] = None,
-             ignore_index: int = -100) -> torch.Tensor:
+             loss: SummedLoss = SummedLoss()) -> torch.Tensor:
     """Sums over this rank's share of the held-out split: tensor([summed loss, correct predictions, terms]), where
-    the terms are samples, or (for element targets) elements whose target is not ignore_index."""
+    the terms are samples, or (for element targets) elements whose target (after any shift) is not ignore_index."""
     precision = precision or FP32
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    for batch in loader:
+        batch = as_batch(batch).to(device)
         with precision.autocast():
-            logits = model(precision.inputs(x))
-        counted = y != ignore_index
-        sums[0] += summed_cross_entropy(logits, y, ignore_index).double()
+            logits = batch.forward(model, precision.inputs)
+        y = loss.target(batch.target)
+        counted = y != loss.ignore_index
+        sums[0] += summed_cross_entropy(logits, y, loss.ignore_index).double()
         sums[1] += ((logits.argmax(1) == y) & counted).sum()
         sums[2] += counted.sum()
     model.train(was_training)

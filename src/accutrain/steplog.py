@@ -31,15 +31,17 @@ class StepLog:
                  micro_batches: int) -> None:
         """Record the optimizer step just taken (or skipped) on `window`: |W| = `terms`, `micro_batches` per rank."""
         c, p = self.c, self.p
-        rate = window.size / (time.perf_counter() - self.t0)
+        seconds = time.perf_counter() - self.t0
+        rate = window.size / seconds
         epoch = p.last_epoch
         record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
                       samples=window.size, effective=window.batch, micro_batches=micro_batches, lr=lr,
                       grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
                       time=time.perf_counter() - self.began, peak_mem_mb=round(memory.peak_mb(c.device), 1))
         self.peak = max(self.peak, record["peak_mem_mb"])
-        if c.loss.elements:
-            record["elements"] = terms
+        if c.loss.elements:  # tokens: their count, rate and the perplexity of the window
+            record.update(elements=terms, tokens_per_s=terms / seconds,
+                          ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
         if c.precision.scaler:
             record["amp_scale"] = c.precision.scaler.get_scale()
         if c.strategy.comm is not None:
@@ -52,11 +54,14 @@ class StepLog:
                 f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
                 f"dropped, no optimizer step ({p.skipped} skipped so far)"))
         self.metrics.step(record)
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{rate:.0f}", refresh=False)
+        unit, per_s = ("tokens", record["tokens_per_s"]) if c.loss.elements else ("samples", rate)
+        speed = f"{per_s:.0f} {unit}/s"
+        self.bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}_s": f"{per_s:.0f}"}, refresh=False)
         self.bar.update()
         if p.step % c.cfg.trainer.log_every == 0:
-            log.info(f"step {p.step}/{c.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}  lr {lr:.4g}  "
-                     f"grad_norm {norm:.3g}  {rate:.0f} samples/s")
+            ppl = f"  ppl {record['ppl']:.4g}" if record.get("ppl") is not None else ""
+            log.info(f"step {p.step}/{c.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}{ppl}  lr {lr:.4g}  "
+                     f"grad_norm {norm:.3g}  {speed}")
 
     @property
     def seconds(self) -> float:

@@ -62,8 +62,8 @@ class Strategy:
     def explain(self, error: BaseException) -> None:
         """Raise a UserError in place of `error` when it is a known limitation of the strategy."""
 
-    def eval_batches(self, loader: Iterable[Any], dataset: Any = None) -> Iterable[Any]:
-        """This rank's share of the held-out split (of `dataset`), batch by batch."""
+    def eval_batches(self, loader: Iterable[Any], empty: Callable[[], Any]) -> Iterable[Any]:
+        """This rank's share of the held-out split, batch by batch (`empty` makes a zero-sample batch)."""
         return loader
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Optional[EMA]

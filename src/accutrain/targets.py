@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -37,3 +38,10 @@ def factory(group: str, node: DictConfig | dict, key: Optional[str] = None
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     target = load_target(f"{key or group}._target_", values["_target_"])
     return target, {k: v for k, v in values.items() if k not in OWN_KEYS[group]}
+
+
+def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `offered` that `target` takes (by name, or all of them through **kwargs)."""
+    params = inspect.signature(target).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in offered.items() if takes_any or k in params}

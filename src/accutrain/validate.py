@@ -57,6 +57,8 @@ def validate(cfg: DictConfig) -> None:
     if t.dist_timeout_s <= 0:
         raise UserError(f"trainer.dist_timeout_s={t.dist_timeout_s} is not valid: expected a positive number of "
                         "seconds")
+    if t.get("export") not in (None, "hf"):
+        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
     if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.model.get("norm_groups", 1) < 1:
@@ -116,6 +118,8 @@ def validate_strategy(cfg: DictConfig) -> None:
          "model.norm=frozen"),
         (t.ema_device is not None, f"trainer.ema_device={t.ema_device}", "the average is sharded like the weights "
          "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
+        (t.get("export") is not None, f"trainer.export={t.get('export')}", "save_pretrained needs the whole model in "
+         "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
     ]
     for bad, key, remedy in refused:
         if bad:

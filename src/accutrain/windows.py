@@ -7,13 +7,15 @@ it, so `micro_batch=8 accum=4` and `micro_batch=32 accum=1` take their steps on 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler
 
+from accutrain.batches import Batch, BatchFormat
 from accutrain.plan import BatchPlan
 from accutrain import seeding
 
@@ -88,13 +90,14 @@ class WindowSampler(Sampler[MicroBatch]):
 
 
 class WindowData(Dataset):
-    """The training set as the train loader reads it: a MicroBatch's samples, collated, with its window. An empty
-    micro-batch becomes a zero-sample batch (a rank whose share of a short window ran out still takes part in the
-    window's gradient all-reduce)."""
+    """The training set as the train loader reads it: a MicroBatch's samples, as a Batch, with its window. An empty
+    micro-batch (a rank whose share of a short window ran out: it still takes part in the window's gradient
+    all-reduce) becomes a stand-in — the first two samples, marked so that they add nothing (many models cannot
+    take zero samples) — or, with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples."""
 
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-        self._empty: Optional[list] = None
+    def __init__(self, dataset: Dataset, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True) -> None:
+        self.dataset, self.format, self.stand_in = dataset, batch_format, stand_in
+        self._empty: Optional[Batch] = None
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -102,23 +105,29 @@ class WindowData(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, micro_batch: MicroBatch) -> tuple[Window, list]:
+    def __getitems__(self, micro_batch: MicroBatch) -> tuple[Window, Batch]:
         if not micro_batch:
             if self._empty is None:
-                self._empty = [t[:0] for t in default_collate([self.dataset[0]])]
+                if self.stand_in:  # two samples: BatchNorm refuses one in training mode
+                    items = [self.dataset[0], self.dataset[min(1, len(self) - 1)]]
+                    self._empty = dataclasses.replace(self.format(items), stand_in=True)
+                else:
+                    self._empty = self.format([self.dataset[0]]).head(0)
             return micro_batch.window, self._empty
-        return micro_batch.window, default_collate([self.dataset[i] for i in micro_batch])
+        return micro_batch.window, self.format([self.dataset[i] for i in micro_batch])
 
 
-def _collated(item: tuple[Window, list]) -> tuple[Window, list]:
+def _collated(item: tuple[Window, Batch]) -> tuple[Window, Batch]:
     return item  # WindowData.__getitems__ collates already
 
 
 def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
-                  generator: torch.Generator) -> DataLoader:
+                  generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True
+                  ) -> DataLoader:
     """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order."""
-    return DataLoader(WindowData(dataset), batch_sampler=sampler, collate_fn=_collated, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)
+    return DataLoader(WindowData(dataset, batch_format, stand_in), batch_sampler=sampler, collate_fn=_collated,
+                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                      generator=generator)
 
 
 def windows_of(loader: Iterable[tuple[Window, Any]]) -> Iterator[tuple[Window, Iterator[Any]]]:
