@@ -83,7 +83,7 @@ def test_fsdp_is_the_big_batch_and_resumes_bit_identical_after_sigkill(net, sync
     syncs = 2 if sync == "each" else 1
     assert [(r["grad_syncs"], r["comm_bytes"]) for r in steps] == [(syncs, syncs * PADDED_GRADIENT_BYTES)] * 12
     assert f"strategy.sync={sync}: gradients are reduce-scattered" in log
-    assert "2 unit(s)" not in log and "3 unit(s) (2 × Linear, and the root)" in log
+    assert "in 3 units (2 × Linear and the root, 2 of them holding parameters)" in log
     assert "check: verdict: faithful" in log  # trainer.check runs on a whole copy of the model
     assert "8 × 2 × 2" in write_report(fsdp).text  # accutrain-report reads an FSDP run as any other
     if fmt == "sharded":
@@ -127,9 +127,27 @@ def test_one_device_with_cpu_offload_says_it_does_nothing_here_and_trains_the_sa
     plain, _ = train_here(tmp_path, "plain", *args)
     offload, log = train_here(tmp_path, "offload", *args, "strategy=fsdp", "strategy.cpu_offload=true")
     assert "strategy.cpu_offload=true does nothing on the CPU" in log
-    assert "sharded over 1 rank(s)" in log
+    assert "sharded over 1 rank(s) as one unit" in log
     assert_same_weights(saved(offload)["model"], saved(plain)["model"])
     assert not torch.distributed.is_initialized()  # the process group of one it made is gone
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("devices", [1, 2])
+def test_on_gpus_with_cpu_offload_fsdp_trains_as_one_plain_gpu(tmp_path, devices):
+    if torch.cuda.device_count() < devices:
+        pytest.skip(f"needs {devices} GPUs")
+    args = [*TINY, "data.size=117", "micro_batch=8", "trainer.max_steps=6", "optim=adamw", "trainer.grad_clip=0.5",
+            "trainer.ema=0.9", "trainer.device=cuda", "model.norm=group"]
+    plain, _ = train_here(tmp_path, "plain", *args, "accum=4")
+    sharded, log = train_here(tmp_path, "sharded", *args, f"accum={4 // devices}", f"devices={devices}",
+                              "strategy=fsdp", "strategy.wrap=[Linear]", "strategy.cpu_offload=true",
+                              "strategy.sync=last", "strategy.checkpoint=sharded")
+    ours, reference = saved(sharded), saved(plain)
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(ours["model"][key], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours["ema"]["weights"][key], reference["ema"]["weights"][key], rtol=1e-4,
+                                   atol=1e-5)
 
 
 def test_a_checkpoint_from_before_optimizer_state_names_resumes_under_fsdp(tmp_path):

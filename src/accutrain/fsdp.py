@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from accutrain import state_dicts
@@ -116,13 +116,13 @@ class FSDP(Strategy):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
-    def offload(self) -> Any:
+    def offload(self) -> OffloadPolicy:
         if not self.cfg.cpu_offload:
-            return None
+            return OffloadPolicy()
         if self.device.type == "cpu":
             self.lines.append("strategy.cpu_offload=true does nothing on the CPU: the weights, gradients and "
                               "optimizer state already live in CPU memory")
-            return None
+            return OffloadPolicy()
         self.lines.append("strategy.cpu_offload=true: the sharded weights, gradients and optimizer state live in "
                           "pinned host memory; the optimizer step runs on the CPU, each unit's forward and backward "
                           f"on {self.device}")
@@ -137,10 +137,12 @@ class FSDP(Strategy):
                  f"strategy.sync=last: gradients are reduce-scattered once per optimizer step, after the window's last "
                  f"micro-batch; between micro-batches each rank keeps the whole model's unsharded gradients (about "
                  f"{last:.3g} MiB, against {each:.3g} MiB of shards with sync=each)")
-        return (f"strategy=fsdp: the model is sharded over {self.world.size} rank(s) in {units + 1} unit(s) "
-                f"({', '.join(f'{units} × {k}' for k in kinds) if len(kinds) == 1 else ', '.join(kinds) or 'none'}, "
-                f"and the root), {owners} of them holding parameters: each rank holds 1/{self.world.size} of the "
-                f"parameters, gradients and optimizer state. {trade}")
+        where = (f"in {units + 1} units ({f'{units} × {kinds[0]}' if len(kinds) == 1 else ', '.join(kinds)} and "
+                 f"the root, {owners} of them holding parameters)" if units else
+                 "as one unit, all-gathered whole for its forward and backward (the model has no repeated blocks: "
+                 "strategy.wrap=[ClassName] shards modules of that class as units of their own)")
+        return (f"strategy=fsdp: the model is sharded over {self.world.size} rank(s) {where}; each rank holds "
+                f"1/{self.world.size} of the parameters, gradients and optimizer state. {trade}")
 
     def describe(self) -> list[str]:
         return self.lines

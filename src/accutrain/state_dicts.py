@@ -88,10 +88,11 @@ def read_sharded(directory: Path, templates: dict[str, Any]) -> dict[str, Any]:
     """Fill `templates` (state dicts with this run's tensors: its shards under FSDP, whole tensors otherwise) from a
     sharded checkpoint, resharding when it was written by another number of ranks. Collective under a process
     group: every rank calls it."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    try:
-        dcp.load(templates, checkpoint_id=directory)
+    try:  # without a process group (one plain process) every tensor is read whole
+        dcp.load(templates, checkpoint_id=directory, no_dist=not dist.is_initialized())
     except Exception as e:  # DCP wraps every rank's failure in a CheckpointException
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise UserError(f"{directory} does not fit this run (another model or optimizer?): {first[:200]}") from None
