@@ -120,13 +120,17 @@ class Checkpoints:
                                 f"(the last good one is {newest[0] if newest else 'none'})")
             try:
                 path = self.rotation.save_best(state) if best else self.rotation.save(state, p.step)
-                self.failure = None
+                if not best:
+                    self.failure = None
             except OSError as e:
                 newest = self.rotation.steps()
-                self.failure = (f"could not write the checkpoint of optimizer step {p.step} into "
-                                f"{self.rotation.directory} ({e.strerror or e}); the newest on disk is "
-                                f"{newest[0].name if newest else 'none'}")
-                log.error(f"{self.failure}: training goes on, the next checkpoint tries again")
+                failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} "
+                           f"into {self.rotation.directory} ({e.strerror or e}); the newest on disk is "
+                           f"{newest[0].name if newest else 'none'}")
+                log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
+                          "tries again")
+                if not best:  # a best.pt that could not be written leaves the run's last steps saved
+                    self.failure = failure
         dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
         return path
 
