@@ -3,8 +3,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from accutrain.command import check, expand_home
 from accutrain.config import LastWindow, config_dir
-from accutrain.errors import UserError
+from accutrain.errors import UserError, one_line
 from accutrain.validate import validate
 
 
@@ -60,6 +61,9 @@ def test_unknown_keys_and_wrong_types_are_refused_by_name(compose, override, fra
     (["optim.lr=0"], "optim.lr=0.0 is not valid"),
     (["model=torchvision"], "model.name must be set"),
     (["data=imagefolder"], "data.root must be set"),
+    (["micro_batch=10000000000000000000000"], "expected a positive integer or auto, at most 9223372036854775807"),
+    (["trainer.max_steps=10000000000000000000000"], "trainer.max_steps=10000000000000000000000 is not valid"),
+    (["resume=auto", "trainer.overwrite=true"], "trainer.overwrite=true deletes the run directory's earlier run"),
 ])
 def test_values_a_type_cannot_check(compose, overrides, message):
     with pytest.raises(UserError) as info:
@@ -71,3 +75,47 @@ def test_values_a_type_cannot_check(compose, overrides, message):
 def test_synthetic_seed_follows_the_run_seed_unless_set(compose):
     assert compose("data=synthetic", "seed=7").data.seed == 7
     assert compose("data=synthetic", "seed=7", "data.seed=3").data.seed == 3
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["foo=1"], ["foo=1: the config has no key 'foo'; its keys are: model, data,", "micro_batch"]),
+    (["model.foo=1"], ["model.foo=1: model=resnet18 has no key 'foo'", "pretrained",
+                       "keys of your own need model=custom"]),
+    (["trainer.epochs=abc"], ["trainer.epochs=abc is not valid: expected an integer or null"]),
+    (["trainer.last_window=keep"], ["trainer.last_window=keep is not valid: expected one of step, drop"]),
+    (["optim.lr_scaling=cubic"], ["optim.lr_scaling=cubic is not valid: expected one of none, linear, sqrt"]),
+    (["model=nosuch"], ["model=nosuch: model has no option 'nosuch'; the options are: char_lm, cnn,", "custom"]),
+    (["+trainer.epoch=3"], ["+trainer.epoch=3: trainer has no key 'epoch' (did you mean trainer.epochs?)"]),
+    (["+loss.normalise=tokens"], ["+loss.normalise=tokens: loss has no key 'normalise'",
+                                  "(did you mean loss.normalize?)"]),
+    (["model=mlp", "+model.depth=4"], ["+model.depth=4: model=mlp has no key 'depth'", "need model=custom"]),
+    (["+foo=1"], ["+foo=1: the config has no key 'foo'"]),
+    (["micro_batch=4,8"], ["micro_batch=4,8 gives several values: add -m"]),
+    (["model.hidden=[1"], ["cannot read the override 'model.hidden=[1'"]),
+    (["seed=${nowhere}"], ["seed=${nowhere}", "nowhere"]),
+    (["-m", "model=mlp,cnn", "model.hidden=[8]"], ["model=resnet18 has no key 'hidden'", "++model.hidden=[8] sets"]),
+    (["-m", "model=mlp,cnn", "++model.hidden=[8]"], ["++model.hidden=[8]: model=cnn has no key 'hidden'"]),
+])
+def test_config_mistakes_are_one_line_naming_the_key_and_what_is_valid(argv, fragments):
+    """What Hydra would refuse in 5–24 lines (or, for a `+` typo, accept and ignore), refused in one line before
+    Hydra runs; the schemas the options build on are not options."""
+    with pytest.raises(UserError) as info:
+        check(argv, decide=False)
+    line = one_line(info.value)
+    assert "\n" not in str(info.value) and "_schema" not in line
+    for fragment in fragments:
+        assert fragment in line, line
+
+
+def test_keys_of_your_own_model_or_data_are_accepted():
+    check(["model=custom", "model._target_=mymodels.Net", "+model.depth=4"], run=False)
+    check(["data=custom", "data._target_=mydata.make", "+data.size=1000", "+data.shift=0.5"], run=False)
+    check(["-m", "model=mlp,cnn", "micro_batch=8,16"], decide=False)  # a sweep's every job composes
+    check(["-m", "model=mlp", "++model.hidden=[8]", "micro_batch=8,16"], decide=False)
+
+
+def test_a_tilde_in_a_value_is_the_home_directory(monkeypatch):
+    """bash leaves `~` alone after `data.root=` (not a variable name) and Hydra's grammar rejects it."""
+    monkeypatch.setenv("HOME", "/home/me")
+    assert expand_home(["data.root=~/pets", "-m", "hydra.run.dir=~", "resume=a~b", "data.root=~/a,~/b"]) == [
+        "data.root=/home/me/pets", "-m", "hydra.run.dir=/home/me", "resume=a~b", "data.root=/home/me/a,/home/me/b"]

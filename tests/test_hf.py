@@ -275,8 +275,8 @@ def test_a_model_output_object_and_any_probe_exception_are_one_line():
                                "model=hf_causal_lm or model=hf_seq_cls", ".logits")
     with pytest.raises(UserError) as info:
         build_model({"_target_": f"{__name__}.Refuses"}, (4,), 3, example=example)
-    assert_one_line_user_error(info.value, "model test_hf.Refuses does not take 4 inputs",
-                               "ValueError: no thanks")
+    assert_one_line_user_error(info.value, "the model test_hf.Refuses raised ValueError: no thanks in forward, on a "
+                               "batch of 2 4 inputs")
 
 
 def bare_gpt2(num_classes):

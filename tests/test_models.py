@@ -72,3 +72,34 @@ def test_model_errors_are_one_line(cfg, message):
 def test_wrong_output_shape_is_refused():
     with pytest.raises(UserError, match=r"returns \(2, 64\) for a batch of 2, expected \(2, 10\)"):
         build_model({"_target_": "torch.nn.Flatten"}, (1, 8, 8), 10)
+
+
+BROKEN = """
+import torch.nn as nn
+
+def fails_to_build(num_classes, in_channels, image_size):
+    raise ValueError("no such layer size")
+
+class FailsInForward(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * image_size ** 2, num_classes)
+
+    def forward(self, x):
+        raise NotImplementedError("forward is not written yet")
+"""
+
+
+@pytest.mark.parametrize("target, message", [
+    ("broken.fails_to_build",
+     "the model broken.fails_to_build raised ValueError: no such layer size while being built"),
+    ("broken.FailsInForward", "the model broken.FailsInForward raised NotImplementedError: forward is not written yet "
+                              "in forward, on a batch of 2 1×8×8 inputs"),
+])
+def test_a_model_of_your_own_that_raises_is_one_line_naming_it(tmp_path, monkeypatch, target, message):
+    """Item 7: the cause stays attached, for train.log's full traceback."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(UserError) as info:
+        build_model({"_target_": target}, (1, 8, 8), 10)
+    assert str(info.value) == message and info.value.__cause__ is not None

@@ -1,12 +1,216 @@
-"""The README's quick start is what CI runs: the two must not drift apart."""
+"""The README's commands work as printed: every command in its code blocks (and in its inline code) is split into
+words by bash, as a user's shell would, and run — those that train with small sizes appended — except the few
+listed in SKIPPED, each with its reason. The quick start is also what CI runs."""
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from conftest import ONE_THREAD
+
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+# Commands not run here, by how they begin, and why.
+SKIPPED = {
+    "pip install": "installs packages: CI runs the dev install, which has every extra "
+                   "(test_ci_runs_the_readme_install_and_test_commands)",
+    "pytest": "the test suite itself",
+    "torchrun --nnodes 2": "needs several machines",
+    "accutrain data=cifar10": "downloads CIFAR-10: needs the internet",
+    "accutrain -m hydra/launcher=slurm_gpu": "needs a SLURM cluster with GPUs",
+    "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: "
+                                          "tests/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
+                                          "writes_the_summary runs this launcher through the command line",
+    "accutrain -m devices=1,2": "spawns worker processes again, as `accutrain devices=2 micro_batch=8 accum=2` above "
+                                "(tests/test_ddp.py compares devices=2 with devices=1)",
+    "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in the README)",
+    "accutrain model=hf_causal_lm model.name_or_path=gpt2": "downloads GPT-2: needs the internet",
+    "accutrain model=hf_seq_cls model.name_or_path=distilbert": "downloads DistilBERT: needs the internet",
+    "tensorboard --logdir": "a web server: tests/test_trackers.py reads the event files with TensorBoard's reader",
+    "mlflow ui": "a web server: tests/test_trackers.py reads the runs back with MlflowClient",
+}
+# Appended to a command that trains, unless it chooses these itself: a few seconds in all, not the real run.
+SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
+SMALL_MODEL = ["model=mlp", "model.hidden=[16]"]
+SMALL_DATA = ["data=synthetic", "data.size=64", "data.val_size=16", "data.image_size=8", "data.channels=1"]
+PLACEHOLDER = re.compile(r"[<>…]|\bDIR\b")
+
+MYMODELS = """
+import torch.nn as nn
+
+class Net(nn.Module):  # the README's `model=custom model._target_=mymodels.Net +model.depth=4`
+    def __init__(self, num_classes, in_channels, image_size, depth=2):
+        super().__init__()
+        width = in_channels * image_size ** 2
+        self.body = nn.Sequential(nn.Flatten(), *[nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                                  for _ in range(depth)], nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+"""
+
+MYDATA = """
+import torch
+from accutrain.data import Datasets, InMemory
+
+def make(size, seed, val_size=32, **_):  # the README's `data=custom data._target_=mydata.make +data.size=1000`
+    g = torch.Generator().manual_seed(seed)
+    def split(n):
+        x = torch.randn(n, 1, 8, 8, generator=g)
+        return InMemory(x, (x.mean(dim=(1, 2, 3)) > 0).long())
+    return Datasets(split(size), split(val_size), 2, (1, 8, 8), f"two classes by sign ({size} samples)")
+"""
+
+
+def pairs(n: int = 40) -> str:
+    """`data.train=pairs.jsonl` for the README's tiny GPT-2: "12 plus 7 is " → "19." pairs."""
+    return "".join(json.dumps({"prompt": f"{a} plus {b} is ", "response": f"{a + b}."}) + "\n"
+                   for a, b in ((i % 13, i % 7) for i in range(n)))
+
+
+# Runs every command in one Python process (each as its console script would: accutrain.cli.main with sys.argv),
+# so that the imports are paid once; records each one's exit code and what it printed on stderr.
+DRIVER = """
+import contextlib, io, json, os, shutil, sys, time
+from accutrain import cli, report_cli
+
+def main(commands, out):
+    entry = {"accutrain": cli.main, "accutrain-check": cli.check_main, "accutrain-report": report_cli.main}
+    results = []
+    for argv in commands:
+        if argv[0] == "copy":
+            os.makedirs(os.path.dirname(argv[2]), exist_ok=True)
+            shutil.copy(argv[1], argv[2])
+            continue
+        sys.argv, err, start = list(argv), io.StringIO(), time.process_time()
+        try:
+            with contextlib.redirect_stderr(err):
+                entry[argv[0]]()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        cpu = time.process_time() - start
+        sys.stderr.write(f"=== exit {code}, {cpu:.1f} s CPU here: {' '.join(argv)}\\n{err.getvalue()[-3000:]}\\n")
+        results.append({"exit": code, "stderr": err.getvalue()})
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+if __name__ == "__main__":  # not again in the worker processes that devices=2 spawns
+    main(json.load(open(sys.argv[1])), sys.argv[2])
+"""
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of each ``` block."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(text: str) -> list[tuple[str, int, str]]:
+    """(command, expected exit code, expected error line or ""): every line of a bash block (comments dropped,
+    continuations joined) and every `$ ` line of an output block (with the exit code and error line printed below
+    it), in the README's order; then the indented examples, and inline code that is a whole command."""
+    found = []
+    for language, body in fenced_blocks(text):
+        if language == "bash":
+            for line in body.replace("\\\n", " ").splitlines():
+                if line.split("#", 1)[0].strip():
+                    found.append((" ".join(line.split("#", 1)[0].split()), 0, ""))
+            continue
+        for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
+            command, *output = re.sub(r"\\\n\s*", " ", chunk).splitlines()
+            code = re.search(r"^exit code (\d+)$", chunk, flags=re.M)
+            error = next((line for line in output if ": error: " in line), "")
+            found.append((command.strip(), int(code.group(1)) if code else (2 if error else 0), error))
+    outside = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    found += [(line.strip(), 0, "") for line in re.findall(r"^    (accutrain .*)$", outside, flags=re.M)]
+    found += [(" ".join(span.split()), 0, "") for span in re.findall(r"`(accutrain[- ][^`]*[=/][^`]*)`", outside)
+              if not PLACEHOLDER.search(span)]
+    return found
+
+
+def skipped(command: str) -> str:
+    return next((why for start, why in SKIPPED.items() if command.startswith(start)), "")
+
+
+def words(command: str, home: Path) -> list[str]:
+    """The arguments bash passes for `command` (quotes removed; a `~` after `key=` left as it is)."""
+    out = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, check=True,
+                         env={"HOME": str(home), "PATH": os.environ["PATH"]}).stdout
+    return out.split("\0")[:-1]
+
+
+def shortened(argv: list[str], index: int) -> list[str]:
+    """A training command with small sizes and its own run (or sweep) directory appended, unless it gives them."""
+    if argv[0] != "accutrain":
+        return argv
+    keys = {a.split("=", 1)[0].lstrip("+") for a in argv[1:]}
+    chosen = keys & {"experiment", "debug"}
+    extra = list(SHORT)
+    if not chosen and "model" not in keys:
+        extra += SMALL_MODEL
+    if not chosen and "data" not in keys:
+        extra += SMALL_DATA
+    multirun = "-m" in argv
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if key not in keys:
+        extra.append(f"{key}={'multirun' if multirun else 'outputs'}/readme-{index}")
+    return [*argv, *extra]
+
+
+def test_the_readme_lists_its_commands_and_skips_only_those_named():
+    found = [c for c, _, _ in commands(README)]
+    assert "accutrain data=imagefolder data.root=~/pets data.image_size=128" in found
+    assert "accutrain model=resnet18 micro_batch=8 accum=4" in found
+    assert "accutrain-check micro_batch=8 accum=4" in found
+    assert {start for start in SKIPPED} <= {start for c in found for start in SKIPPED if c.startswith(start)}
+
+
+@pytest.mark.slow
+def test_every_readme_command_works_as_printed(tmp_path):
+    from test_data import make_image_folder
+
+    home = tmp_path / "home"
+    make_image_folder(home / "pets")  # `data.root=~/pets`
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mymodels.py").write_text(MYMODELS)
+    (work / "mydata.py").write_text(MYDATA)
+    (work / "pairs.jsonl").write_text(pairs())
+    runs, expected = [], []
+    for index, (command, code, error) in enumerate(commands(README)):
+        if skipped(command) or command in [c for c, _, _ in expected]:
+            continue
+        argv = shortened(words(command, home), index)
+        assert argv[0] in ("accutrain", "accutrain-check", "accutrain-report"), command
+        named = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=outputs/")), None)
+        if named:  # the checkpoint the README names: the one `accutrain trainer.checkpoint_every=200` wrote
+            source = next(i for c, i in runs if "trainer.checkpoint_every=200" in c)
+            runs.append((["copy", f"outputs/readme-{source}/checkpoints/last.pt", named], None))
+        runs.append((argv, index))
+        expected.append((command, code, error))
+    (tmp_path / "commands.json").write_text(json.dumps([argv for argv, _ in runs]))
+    env = {**os.environ, **ONE_THREAD, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "commands.json"), str(tmp_path / "out.json")],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    for (command, code, error), result in zip(expected, results):
+        assert result["exit"] == code, f"{command}: exit {result['exit']}\n{result['stderr'][-3000:]}"
+        assert "Traceback" not in result["stderr"], f"{command}:\n{result['stderr'][-3000:]}"
+        if error:  # the error line as the README prints it (up to its "…")
+            assert error.split("…")[0].rstrip(", ") in result["stderr"], f"{command}:\n{result['stderr']}"
+    assert len(results) == len(expected)
+    for run in (work / "outputs").glob("readme-*"):  # every single run finished
+        assert json.loads((run / "status.json").read_text())["state"] == "completed", run
 
 
 def quick_start_commands() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    block = README.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line.split("#", 1)[0].strip() for line in block.strip().splitlines()]
 
 

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 from PIL import Image
 
@@ -99,13 +101,12 @@ def test_report_on_a_running_run(finished_run, tmp_path):
     assert "1 run, 1 running" in proc.stdout
 
 
-def test_a_failed_single_run_keeps_its_one_line_error_and_records_it(tmp_path):
+def test_a_single_run_with_a_bad_value_is_one_line_and_writes_nothing(tmp_path):
+    """A bad value is refused before the run directory is made (a sweep's job records it: tests/test_sweeps.py)."""
     run_dir, proc = train_run(tmp_path, "bad", *TINY, "micro_batch=0", check=False)
     assert proc.returncode == 2
     assert_one_line_error(proc, "micro_batch=0")
-    record = status(run_dir)
-    assert record["state"] == "failed" and record["error"].startswith("micro_batch=0 is not valid")
-    assert not (run_dir / "loss.png").exists()
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize("make, fragment", [
@@ -199,3 +200,58 @@ def test_recorded_marks_every_outcome(tmp_path):
     assert status(tmp_path)["state"] == "interrupted"
     assert one_line(ValueError("first\nsecond")) == "ValueError: first"
     assert one_line(RuntimeError()) == "RuntimeError"
+
+
+def sweep_rows() -> list:
+    """An accum sweep at a fixed micro_batch (so micro_batch never changes), one of whose jobs diverged."""
+    from accutrain.runs import RunRow
+
+    rows = []
+    for job, accum in enumerate((1, 2, 4)):
+        losses = [2.3 * 0.97 ** i + 0.3 * (i % 2) for i in range(60)]  # spiky, as at lr 0.05
+        if accum == 4:
+            losses = [2.3 * 10 ** (i / 3) for i in range(60)]  # diverged: up to 1e20
+        rows.append(RunRow(path=Path(str(job)), job=str(job), overrides=["micro_batch=8", f"accum={accum}"],
+                           status="completed", micro_batch=8, accum=accum, devices=1, effective=8 * accum,
+                           samples_per_s=1000.0 * accum, peak_mem_mb=500.0 + accum,
+                           curve=[(8 * accum * (i + 1), loss) for i, loss in enumerate(losses)]))
+    return rows
+
+
+def test_summary_plot_is_against_what_the_sweep_varied_and_a_diverged_job_hides_nothing():
+    """Item 10: memory and speed against accum (the override that varies), labelled; the loss axis cut above the
+    runs that did not diverge, and the plot says which one did."""
+    from accutrain.plots import summary_figure
+
+    loss, memory, speed = summary_figure(sweep_rows()).axes
+    for ax, label in ((memory, "peak memory (MiB)"), (speed, "samples/s")):
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("accum", label)
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
+    assert loss.get_ylim()[1] < 5  # the healthy curves (losses up to 2.6) fill the axis
+    notes = [t.get_text() for t in loss.texts]
+    assert len(notes) == 1 and notes[0].startswith("axis cut at") and "diverged: accum=4 (up to 1.07e+20)" in notes[0]
+
+
+def test_summary_plot_of_several_varied_overrides_names_each_job():
+    from accutrain.plots import summary_figure
+
+    rows = sweep_rows()[:2]
+    rows[1].overrides = ["micro_batch=16", "accum=2", "model=cnn"]
+    _, memory, _ = summary_figure(rows).axes
+    assert memory.get_xlabel() == "job (micro_batch, accum, model)"
+    assert [t.get_text() for t in memory.get_xticklabels()] == ["micro_batch=8 accum=1",
+                                                                "micro_batch=16 accum=2 model=cnn"]
+
+
+def test_loss_plot_draws_a_moving_average_over_the_raw_loss():
+    """Item 11."""
+    from accutrain.plots import run_figure, smoothed
+
+    row = sweep_rows()[0]
+    ax = run_figure(row).axes[0]
+    raw, average = ax.lines[:2]
+    assert raw.get_alpha() < 1 and list(raw.get_ydata()) == [loss for _, loss in row.curve]
+    assert "moving average over ~6 steps" in average.get_label()
+    spikes = lambda ys: sum(abs(b - a) for a, b in zip(ys, ys[1:]))  # noqa: E731
+    assert spikes(list(average.get_ydata())) < spikes(list(raw.get_ydata())) / 3
+    assert smoothed([2.0, 2.0, None, float("nan"), 2.0], 5) == [2.0] * 5  # debiased; a skipped step keeps the value

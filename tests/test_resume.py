@@ -1,7 +1,9 @@
 """Never lose a run: exact resume after SIGKILL/SIGTERM, safe loading, the non-finite policies, bad input."""
 import os
 import random
+import shlex
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -9,8 +11,10 @@ import pytest
 import torch
 
 from accutrain.errors import UserError
-from conftest import (RUN, TINY, TINY_DATA, assert_identical, assert_one_line_error, assert_one_line_user_error, final_weights,
-                      read_metrics, run_cli, start, train_here, train_run, wait_for_steps)
+from conftest import (ONE_THREAD, RUN, TINY, TINY_DATA, assert_identical, assert_one_line_error,
+                      assert_one_line_user_error, cli_command, final_weights, read_metrics, run_cli, start, train_here,
+                      train_run, wait_for_steps)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
@@ -65,6 +69,35 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_resumes_exactly(slow):
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     resumed, _ = train_run(slow, "killed", *args, "resume=auto")
     assert_identical(final_weights(resumed), final_weights(reference))
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_sweep_writes_the_summary_and_gives_the_sweeps_resume_command(slow):
+    """Item 9: the jobs that ran are summarised; the printed command resumes the whole sweep: the finished job has
+    nothing left to do, the interrupted one continues from its checkpoint, the one that never started starts."""
+    sweep = slow / "sweep"
+    args = ["-m", *TINY_DATA, "model=custom", "model._target_=slow.Net", "data.size=64", "micro_batch=8",
+            "trainer.max_steps=5", "trainer.checkpoint_every=1", "+model.delay=0.1", "seed=0,1,2",
+            f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD}
+    proc = subprocess.Popen([*cli_command(), *args], cwd=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    wait_for_steps(sweep / "1", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "sweep: 2 runs, 1 completed, 1 interrupted" in out and (sweep / "summary.md").is_file()
+    assert "stopped by SIGTERM during job 1" in err and "hydra.run.dir" not in err
+    command = err.split("Resume the sweep with:\n", 1)[1].splitlines()[0].strip()
+    assert command.startswith("accutrain -m ") and command.endswith(f"hydra.sweep.dir={sweep} resume=auto")
+    resumed = subprocess.run([*cli_command(), *shlex.split(command)[1:]], cwd=slow, capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "sweep: 3 runs, 3 completed" in resumed.stdout
+    assert "nothing left to train" in (sweep / "0" / "train.log").read_text()
+    assert "resumed from" in (sweep / "1" / "train.log").read_text()
+    for job in ("0", "1", "2"):
+        assert [r["step"] for r in read_metrics(sweep / job)[0]] == [1, 2, 3, 4, 5]
 
 
 def rewind(run_dir: Path, step: int) -> Path:
@@ -148,6 +181,15 @@ def test_truncated_checkpoint_is_one_line(tmp_path):
 
 def test_checkpoint_from_another_model_or_batch_is_refused(tmp_path):
     run_dir, _ = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
+    # items 7 and 8: another optimizer (KeyError 'step' when loaded) and another seed (another data order)
+    assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", "optim=adamw", f"resume={run_dir}"),
+                               "was trained with the optimizer accutrain.optim.sgd; this run uses "
+                               "accutrain.optim.adamw", "(optim=sgd)")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", "seed=1", f"resume={run_dir}"),
+                               "was trained with seed=0; this run has seed=1", "resuming needs the same seed")
+    (tmp_path / "config.yaml").write_text("micro_batch: 8\n")
+    assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", f"resume={tmp_path / 'config.yaml'}"),
+                               "config.yaml is not a checkpoint: torch.save writes zip archives")
     assert_one_line_user_error(refused(tmp_path, *TINY, "model.hidden=[64]", "data.size=40", f"resume={run_dir}"),
                                "was written for another model")
     assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", "micro_batch=16", f"resume={run_dir}"),
@@ -179,9 +221,29 @@ def nan_data(tmp_path, monkeypatch):
 
 def test_nonfinite_stop_names_the_step(tmp_path, nan_data):
     error = refused(tmp_path, *nan_data, "trainer.checkpoint_every=1")
-    assert_one_line_user_error(error, "non-finite loss at optimizer step", "trainer.on_nonfinite=skip")
+    assert_one_line_user_error(error, "non-finite loss at optimizer step", "trainer.on_nonfinite=skip",
+                               f"the last checkpoint, {tmp_path / 'refused' / 'checkpoints' / 'step-00000002.pt'}, "
+                               "holds finite weights (resume=auto continues from it)")
     for path in (tmp_path / "refused" / "checkpoints").glob("*.pt"):  # every checkpoint written holds finite weights
         assert all(torch.isfinite(t).all() for t in torch.load(path, weights_only=True)["model"].values())
+
+
+def test_a_diverged_run_without_a_checkpoint_says_so_and_restarts_cleanly(tmp_path, nan_data):
+    """Item 3: no claim of a checkpoint that does not exist; starting again from scratch in the same directory
+    (resume=auto finds no checkpoint) does not append a second record of every step."""
+    error = refused(tmp_path, *nan_data)
+    assert_one_line_user_error(error, "non-finite loss at optimizer step 3", "no checkpoint was written before it")
+    assert [r["step"] for r in read_metrics(tmp_path / "refused")[0]] == [1, 2]
+    run_dir, log = train_here(tmp_path, "refused", *nan_data, "trainer.on_nonfinite=skip", "resume=auto")
+    assert "starting from scratch" in log
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == list(range(1, 9))
+
+
+def test_resuming_a_finished_run_trains_nothing_more(tmp_path):
+    run_dir, _ = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=3", "micro_batch=8")
+    _, log = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=3", "micro_batch=8", "resume=auto")
+    assert "nothing left to train" in log
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3]
 
 
 def test_nonfinite_skip_drops_the_window_and_counts_it(tmp_path, nan_data):

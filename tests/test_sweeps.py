@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from accutrain.config import config_dir
-from conftest import TINY, TINY_DATA, read_metrics, run_cli
+from conftest import TINY, TINY_DATA, assert_one_line_error, read_metrics, run_cli
 
 # 40 samples, 3 optimizer steps per job: the sweep is about the summary, not the training.
 QUICK = [*TINY, "data.size=40", "trainer.max_steps=3"]
@@ -114,11 +114,14 @@ def test_a_crashing_job_is_recorded_as_failed_and_the_sweep_goes_on(tmp_path):
     assert rows[1]["steps"] == "3"
     assert "Traceback" in (tmp_path / "sweep" / "0" / "train.log").read_text()  # a bug keeps its traceback
 
-    # a single run still ends as before (Hydra's traceback, exit 1), and records the failure
+    # a single run: one line naming the model, its error and where (item 7), the traceback in train.log; recorded
     single = tmp_path / "single"
     proc = run_cli(*TINY_DATA, *QUICK[len(TINY):], "model=custom", "model._target_=mymodels.Crash", "micro_batch=4",
                    f"hydra.run.dir={single}", cwd=tmp_path, check=False)
-    assert proc.returncode == 1 and "crashed in training" in proc.stderr
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "the model mymodels.Crash raised RuntimeError: crashed in training (mymodels.py:11, "
+                                f"in forward); the full traceback is in {single / 'train.log'}")
+    assert "Traceback" in (single / "train.log").read_text()
     record = json.loads((single / "status.json").read_text())
     assert (record["state"], record["error"]) == ("failed", "RuntimeError: crashed in training")
 

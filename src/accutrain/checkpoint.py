@@ -30,6 +30,7 @@ FORMAT = 2  # 2: the optimizer state keyed by parameter name; 1 (still read): nu
 READABLE = (1, 2)
 STEP_FILE = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded checkpoint's directory
 STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: everything but the shards, written by rank 0
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -49,11 +50,17 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
         return load(path / STATE_FILE)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != ZIP_MAGIC:  # torch.save writes zip archives; a cut one still starts like one
+        raise UserError(f"{path} is not a checkpoint: " + ("it is empty" if not head else
+                        "torch.save writes zip archives and this file is not one (expected a .pt file from a run's "
+                        "checkpoints/)"))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0]
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
+        if any(mark in str(e) for mark in ("Unsupported global", "Unsupported class", "GLOBAL")):
             raise UserError(f"refusing to load {path}: it holds pickled code or objects, not only tensors and "
                             f"plain values ({first[:160]})") from None
         raise UserError(f"{path} is corrupt: {first[:160]}") from None
@@ -84,13 +91,17 @@ class Rotation:
         path = self.directory / f"step-{step:08d}.pt"
         save_atomic(state, path)
         last, tmp = self.directory / "last.pt", self.directory / ".last.pt.tmp"
-        tmp.unlink(missing_ok=True)
         try:
-            os.link(path, tmp)  # last.pt is the same file, swapped in atomically
-        except OSError:
-            save_atomic(state, tmp)
-        os.replace(tmp, last)
-        fsync_dir(self.directory)
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(path, tmp)  # last.pt is the same file, swapped in atomically
+            except OSError:
+                save_atomic(state, tmp)
+            os.replace(tmp, last)
+            fsync_dir(self.directory)
+        except BaseException:  # a full disk, an I/O error: no temporary file left behind; the step file is whole
+            tmp.unlink(missing_ok=True)
+            raise
         self.prune()
         return path
 

@@ -1,4 +1,5 @@
-"""The `accutrain` console entry point: Hydra composes the typed config, a user error ends in one line."""
+"""The `accutrain` console entry point: the command line is checked (accutrain.command), then Hydra composes the
+typed config and runs the job; a user error ends in one line."""
 from __future__ import annotations
 
 import logging
@@ -14,12 +15,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain import rundir
+from accutrain.command import check, expand_home
 from accutrain.config import config_dir, register_schemas
 from accutrain.errors import Preempted, UserError, one_line
 from accutrain.run_status import read_status, recorded, write_status
-from accutrain.sweep import SweepSummary
+from accutrain.sweep import SweepSummary, stopped
+from accutrain.targets import plugin_failure
 
 log = logging.getLogger("accutrain")
+trace_log = logging.getLogger("accutrain.traceback")  # train.log only (configs/hydra/job_logging/accutrain.yaml)
 
 register_schemas()
 
@@ -32,28 +37,44 @@ def torchrun_secondary() -> bool:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _train(cfg: DictConfig) -> Optional[float]:
     """One run; returns the best value of the monitored metric (trainer.monitor), what a searching sweeper (Optuna)
-    optimises. A single run ends a user error with exit 2; in a multirun a failing job (user error or crash) is
-    recorded as failed in its status.json and the sweep goes on. A preempted run (trainer.preempt_signals) ends
-    the command, after its checkpoint, with exit code 128 + the signal — or, under submitit, is requeued."""
-    from accutrain.launch import train  # imported here so that `--help` and config errors stay fast
+    optimises. Everything that can be checked is checked before the run directory is touched. A single run ends a
+    user error with exit 2; in a multirun a failing job (user error or crash) is recorded as failed in its
+    status.json and the sweep goes on. A preempted run (trainer.preempt_signals) ends the command, after its
+    checkpoint, with exit code 128 + the signal — or, under submitit, is requeued."""
+    from accutrain.launch import preflight, train  # imported here so that `--help` and config errors stay fast
     from accutrain.report import write_loss_plot
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
-    primary = not torchrun_secondary()  # one process records the run's status and plots its loss
+    primary = not torchrun_secondary()  # one process decides about the run directory and records the run
     if cfg.resume is None and (read_status(run_dir) or {}).get("state") == "requeued":
         log.info(f"this job was requeued after a preemption: resuming from the newest checkpoint of {run_dir}")
         cfg.resume = "auto"
+    try:
+        preflight(cfg)
+        if primary:
+            rundir.prepare(run_dir, cfg)
+    except UserError as e:
+        log.error(one_line(e))
+        if multirun:  # recorded in the job's status.json, unless that is an earlier run's
+            SweepSummary.failed_here += 1
+            if primary and rundir.earlier_run(run_dir) is None:
+                write_status(run_dir, "failed", one_line(e))
+            return None
+        sys.exit(2)
     try:
         with recorded(run_dir) if primary else nullcontext():  # status.json: running, then how it ended
             out = train(cfg, run_dir, log_config)
         return out.progress.best if out is not None else None
     except UserError as e:
         log.error(one_line(e))
+        if e.__cause__ is not None:
+            trace_log.error("the traceback behind that error:", exc_info=e.__cause__)
         if not multirun:
             sys.exit(2)
+        SweepSummary.failed_here += 1
     except Preempted as e:
         requeue = submitit_requeue(e.signum)
         if requeue is not None and primary:
@@ -61,17 +82,36 @@ def _train(cfg: DictConfig) -> Optional[float]:
             log.warning(f"{signal.Signals(e.signum).name}: checkpoint written; submitit requeues this job, which "
                         "resumes from it")
             requeue(e.signum, None)  # submitit's own handler: saves the job for the requeue and exits
+        if primary:
+            say_how_to_resume(run_dir, multirun, signal.Signals(e.signum).name, hydra_cfg)
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         log.error("interrupted: stopped at once, without a checkpoint")
         sys.exit(128 + signal.SIGINT)
-    except Exception:
+    except Exception as e:
+        culprit = plugin_failure(e, cfg)
+        if culprit is None and not multirun:
+            raise  # a bug of accutrain's: Hydra prints its traceback
+        if culprit is not None:
+            log.error(f"{culprit}; the full traceback is in {run_dir / 'train.log'}")
+            trace_log.error("the traceback:", exc_info=e)
+        else:
+            log.exception("this job failed; the sweep goes on")
         if not multirun:
-            raise
-        log.exception("this job failed; the sweep goes on")
+            sys.exit(2)
+        SweepSummary.failed_here += 1
     finally:
         if primary:
             write_loss_plot(run_dir)
+
+
+def say_how_to_resume(run_dir: Path, multirun: bool, signal_name: str, hydra_cfg: DictConfig) -> None:
+    """After a signal stopped the run at a checkpoint: the command that continues it — the whole sweep's in a
+    multirun (with the summary of what ran), else this run directory's."""
+    if multirun:
+        stopped(Path(str(hydra_cfg.sweep.dir)), str(hydra_cfg.job.num), signal_name, sys.argv[1:])
+    else:
+        log.warning(f"Resume with the same command plus: resume=auto hydra.run.dir={run_dir}")
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
@@ -104,43 +144,32 @@ def import_from_working_directory() -> None:
         sys.path.append(os.getcwd())
 
 
+def before_hydra(prog: str, **checks: bool) -> None:
+    """The command line checked before Hydra runs it (accutrain.command); a mistake is one line and exit code 2."""
+    sys.argv[1:] = expand_home(sys.argv[1:])
+    try:
+        sys.argv += check(sys.argv[1:], prog=prog, **checks)  # Hydra then uses the output directory checked
+    except UserError as e:
+        rank = "" if not torchrun_secondary() else f"[rank {os.environ['RANK']}] "
+        print(f"{rank}{prog}: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_main() -> None:
     """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
     import_from_working_directory()
+    before_hydra("accutrain-check", run=False)
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                  "hydra/hydra_logging=disabled"]
     _check()
-
-
-HYDRA_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i",
-                    "--shell-completion", "-sc", "--resolve", "-p", "--package"}
-
-
-def check_output_dir(argv: list[str]) -> None:
-    """Create the output directory now (the one given on the command line, else Hydra's default outputs/ or
-    multirun/ in the working directory), so one that cannot be made is one line, not Hydra's traceback."""
-    if any(arg.split("=")[0] in HYDRA_INFO_FLAGS for arg in argv):
-        return  # --help, --cfg, …: nothing will be written
-    multirun = "-m" in argv or "--multirun" in argv
-    given = {key: value for key, _, value in (arg.partition("=") for arg in argv)
-             if key in ("hydra.run.dir", "hydra.sweep.dir")}
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    value = given.get(key, "multirun" if multirun else "outputs")
-    if "${" in value:
-        return
-    try:
-        Path(value).expanduser().mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"accutrain: error: cannot create the output directory {value} ({key}): {e.strerror or e}",
-              file=sys.stderr)
-        sys.exit(2)
 
 
 def main() -> None:
     import_from_working_directory()
     if torchrun_secondary():
         sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
-    check_output_dir(sys.argv[1:])
+    before_hydra("accutrain", decide=not torchrun_secondary())  # every rank composes; rank 0 decides
+    SweepSummary.failed_jobs = 0
     _train()
     if SweepSummary.failed_jobs:  # a multirun whose summary counted failed jobs
         sys.exit(1)

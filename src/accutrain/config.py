@@ -347,6 +347,7 @@ class TrainerConfig:
     # under submitit the job is then requeued and resumes).
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
     export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
+    overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
 
 
 # --- batch_schedule/ -------------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ class UserError(Exception):
     """A bad config value, missing data, a bad checkpoint: something the user can fix, not a bug."""
 
 
+class NonFinite(UserError):
+    """A NaN/Inf loss or gradient stopped the run (trainer.on_nonfinite=stop); the session adds where its last
+    checkpoint is."""
+
+
 class Preempted(Exception):
     """The run stopped early on a signal, after writing a checkpoint it can resume from."""
 

@@ -27,23 +27,21 @@ from accutrain.validate import validate
 log = logging.getLogger("accutrain")
 
 
-def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> Optional[Outcome]:
-    """Train as configured: validate once, then run the ranks; raise Preempted if a signal stopped the run early
-    (after its checkpoint). `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging)."""
+@dataclass
+class Ranks:
+    """Where the run will go, as preflight decided it."""
+
+    device: torch.device
+    world: Optional[World]  # the world torchrun started, else None
+    n: int  # ranks in all
+
+
+def preflight(cfg: DictConfig) -> Ranks:
+    """Every check of the config and the machine that can be made before anything is written: the values
+    (validate), the device, the number of ranks. Raises UserError."""
     validate(cfg)
-    with deterministic_algorithms(cfg.trainer.deterministic):  # before anything runs on CUDA
-        out = _train(cfg, run_dir, log_config)
-    if out is not None and out.stopped_by:
-        raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
-                                                        f"{out.progress.step}; checkpoint {out.checkpoint}")
-    return out
-
-
-def _train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict]) -> Optional[Outcome]:
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
-    if world is not None and not world.main:
-        quiet_logging(world.rank)
     if world is not None and cfg.devices not in ("auto", world.size):
         raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
                         f"or set devices={world.size}")
@@ -51,7 +49,27 @@ def _train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict]) -> Option
     if n > 1 and cfg.model.get("sync_batchnorm") and device.type != "cuda":
         raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the "
                         "CPU (use devices=1, or model.sync_batchnorm=false)")
+    return Ranks(device, world, n)
+
+
+def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> Optional[Outcome]:
+    """Train as configured: check (preflight), then run the ranks; raise Preempted if a signal stopped the run early
+    (after its checkpoint). `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging).
+    The caller owns run_dir: the command line refuses one an earlier run used (accutrain.rundir)."""
+    ranks = preflight(cfg)
+    with deterministic_algorithms(cfg.trainer.deterministic):  # before anything runs on CUDA
+        out = _train(cfg, ranks, run_dir, log_config)
+    if out is not None and out.stopped_by:
+        raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
+                                                        f"{out.progress.step}; checkpoint {out.checkpoint}")
+    return out
+
+
+def _train(cfg: DictConfig, ranks: Ranks, run_dir: Path, log_config: Optional[dict]) -> Optional[Outcome]:
+    device, world, n = ranks.device, ranks.world, ranks.n
     if world is not None:
+        if not world.main:
+            quiet_logging(world.rank)
         try:
             return train_rank(world, cfg, run_dir, device)
         finally:

@@ -18,7 +18,7 @@ import torch
 from accutrain import dist, lr_scaling, memory, norms, pitfalls
 from accutrain.build import Components
 from accutrain.config import OnNonFinite
-from accutrain.errors import UserError
+from accutrain.errors import NonFinite, UserError
 from accutrain.metrics import MetricsLog
 from accutrain.progress import Progress
 from accutrain.signals import StopRequest
@@ -165,8 +165,8 @@ def optimizer_step(c: Components, loss: float, norm: float, lr_factor: float, wh
     if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
         skipped = "nonfinite"
         if c.cfg.trainer.on_nonfinite is OnNonFinite.stop:
-            raise UserError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at {where}: stopping; "
-                            "the last checkpoint holds finite weights (trainer.on_nonfinite=skip skips such windows)")
+            raise NonFinite(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at {where}: stopping "
+                            "(trainer.on_nonfinite=skip skips such windows)")
     elif not math.isfinite(norm):
         skipped = "amp_overflow"  # inf/NaN in the scaled gradients: the scaler skips the step
     else:

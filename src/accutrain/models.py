@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from accutrain.batches import Batch, as_batch
-from accutrain.errors import UserError
+from accutrain.errors import UserError, one_line
 from accutrain.targets import accepted
 from accutrain.targets import factory as target_and_args
 
@@ -144,8 +144,10 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
     kwargs.update(accepted(factory, from_data))
     try:
         model = factory(**kwargs)
-    except TypeError as e:
-        raise UserError(f"model._target_={cfg['_target_']}: {e}") from None
+    except TypeError as e:  # most often a keyword argument it does not take
+        raise UserError(f"model._target_={cfg['_target_']}: {e}") from e
+    except Exception as e:  # the user's model failing in __init__: one line here, its traceback in train.log
+        raise UserError(f"the model {cfg['_target_']} raised {one_line(e)} while being built") from e
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
     if example is None:
@@ -170,15 +172,18 @@ def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, 
     try:
         with torch.no_grad():
             out = example.forward(model)
-    except Exception as e:  # whatever the model raises: one line naming it
+    except Exception as e:  # whatever the model raises: one line naming it (its traceback stays for train.log)
         first = (str(e).strip().splitlines() or [""])[0]
         if second:
             log.warning(f"the model's output has as many positions as classes ({num_classes}), so its layout "
                         f"(batch, classes, length) cannot be told from (batch, length, classes), and it fails on a "
                         f"shorter input ({type(e).__name__}: {first}): make sure its classes are in dimension 1")
             return
-        raise UserError(f"model {name} does not take {shape} inputs ({type(e).__name__}: {first}); choose a model "
-                        "for this input size or other data") from None
+        if type(e) is RuntimeError and any(word in first for word in ("shape", "size", "channels", "dimension")):
+            raise UserError(f"model {name} does not take {shape} inputs ({type(e).__name__}: {first}); choose a "
+                            "model for this input size or other data") from e
+        raise UserError(f"the model {name} raised {one_line(e)} in forward, on a batch of {len(example.target)} "
+                        f"{shape} inputs") from e
     y, n = example.target, len(example.target)
     if not isinstance(out, torch.Tensor):
         hint = (": a Hugging Face ModelOutput — use model=hf_causal_lm or model=hf_seq_cls, or return its .logits "

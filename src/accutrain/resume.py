@@ -78,12 +78,20 @@ def restore(c: Components, path: Path) -> Progress:
     if saved["train_size"] != c.plan.train_size:
         raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {c.plan.train_size}: "
                         "resuming needs the same training set")
+    refuse_another_seed_or_optimizer(path, state.get("config") or {}, c.cfg)
     try:  # the model, optimizer and EMA (from a sharded checkpoint's shards too)
         c.strategy.load(c.model, c.optimizer, c.ema, state, path)
     except RuntimeError as e:
         raise UserError(f"{path} was written for another model: {str(e).strip().splitlines()[-1].strip()[:200]}"
                         ) from None
-    c.scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"{path}: its optimizer state does not fit this run's optimizer ({c.cfg.optim._target_}): "
+                        f"{type(e).__name__}: {e}") from None
+    try:
+        c.scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise UserError(f"{path}: its scheduler state does not fit this run's scheduler ({c.cfg.sched._target_}): "
+                        f"{type(e).__name__}: {e}") from None
     if c.precision.scaler and state.get("scaler"):
         c.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
@@ -109,6 +117,19 @@ def restore(c: Components, path: Path) -> Progress:
         torch.manual_seed(derived_seed(c.cfg.seed, p.step * 101 + c.world.rank))
     log.info(f"resumed from {path} at optimizer step {p.step} (epoch {p.epoch + 1}, window {p.window})")
     return p
+
+
+def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
+    """The seed decides every epoch's order of samples, so resuming with another one would change the data order
+    mid-epoch; another optimizer cannot take the checkpoint's optimizer state. Both are refused in one line."""
+    if "seed" in saved and saved["seed"] != cfg.seed:
+        raise UserError(f"{path} was trained with seed={saved['seed']}; this run has seed={cfg.seed}: the seed decides "
+                        f"the order of the samples, so resuming needs the same seed (seed={saved['seed']})")
+    target = (saved.get("optim") or {}).get("_target_")
+    if target is not None and target != cfg.optim._target_:
+        raise UserError(f"{path} was trained with the optimizer {target}; this run uses {cfg.optim._target_}: resuming "
+                        "needs the same optimizer (" + (f"optim={target.rsplit('.', 1)[-1]}" if target.startswith(
+                            "accutrain.optim.") else f"optim._target_={target}") + ")")
 
 
 def keep_metrics_until(path: Path, step: int) -> None:

@@ -76,6 +76,12 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def live_here(record: dict[str, Any]) -> bool:
+    """The record's process runs on this host, and is not this process."""
+    return (record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int)
+            and record["pid"] != os.getpid() and _alive(record["pid"]))
+
+
 def current_state(record: Optional[dict[str, Any]]) -> str:
     """completed | failed | interrupted | running | unknown (no record).
 

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
+import traceback
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config import OWN_KEYS
-from accutrain.errors import UserError
+from accutrain.errors import UserError, one_line
 
 
 def load_target(key: str, target: str) -> Callable[..., Any]:
@@ -45,3 +48,23 @@ def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, A
     params = inspect.signature(target).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     return {k: v for k, v in offered.items() if takes_any or k in params}
+
+
+def plugin_failure(error: BaseException, cfg: DictConfig) -> Optional[str]:
+    """When `error` was raised in the code of a user plug-in (a `_target_` outside accutrain), one line naming it,
+    the error and where: `the model mymodels.Net raised RuntimeError: … (mymodels.py:12, in forward)`; else None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for group in OWN_KEYS:
+        target = OmegaConf.select(cfg, f"{group}._target_")
+        if not isinstance(target, str) or target.startswith("accutrain."):
+            continue
+        parts = target.split(".")
+        modules = [sys.modules.get(".".join(parts[:i])) for i in range(len(parts) - 1, 0, -1)]
+        source = next((getattr(m, "__file__", None) for m in modules if m is not None), None)
+        if source is None:
+            continue
+        here = [f for f in frames if os.path.realpath(f.filename) == os.path.realpath(source)]
+        if here:
+            where = f"{os.path.basename(here[-1].filename)}:{here[-1].lineno}, in {here[-1].name}"
+            return f"the {group} {target} raised {one_line(error)} ({where})"
+    return None

@@ -3,6 +3,7 @@ the batch arithmetic is checked by plan.make_plan."""
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,9 +19,10 @@ def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> N
     value = cfg[key]
     if value in allow:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= sys.maxsize:
         valid = " or ".join(["a positive integer", *("null" if a is None else str(a) for a in allow)])
-        raise UserError(f"{key}={value!r} is not valid: expected {valid} (e.g. {key}=8)")
+        limit = f", at most {sys.maxsize}" if isinstance(value, int) and value > sys.maxsize else ""
+        raise UserError(f"{key}={value!r} is not valid: expected {valid}{limit} (e.g. {key}=8)")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -36,11 +38,16 @@ def validate(cfg: DictConfig) -> None:
     if t.epochs is None and t.max_steps is None:
         raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
     for key in ("epochs", "max_steps", "eval_every", "eval_batch", "checkpoint_every"):
-        if t[key] is not None and t[key] < 1:
-            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null")
+        if t[key] is not None and not 1 <= t[key] <= sys.maxsize:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null"
+                            + (f", at most {sys.maxsize}" if t[key] > 0 else ""))
     for key in ("log_every", "keep_checkpoints"):
-        if t[key] < 1:
-            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer")
+        if not 1 <= t[key] <= sys.maxsize:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer"
+                            + (f", at most {sys.maxsize}" if t[key] > 0 else ""))
+    if t.overwrite and cfg.resume is not None:
+        raise UserError(f"resume={cfg.resume} continues a run and trainer.overwrite=true deletes the run directory's "
+                        "earlier run: choose one")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
     if cfg.get("batch_schedule") is not None and (cfg.accum is not None or cfg.global_batch is not None):
