@@ -26,6 +26,8 @@ SKIPPED = {
     "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: "
                                           "tests/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
                                           "writes_the_summary runs this launcher through the command line",
+    "accutrain devices=8": "eight worker processes, a GPU machine's commands: tests/test_fsdp.py runs strategy=fsdp "
+                           "(sync=last, sharded checkpoints) with devices=2",
     "accutrain -m devices=1,2": "spawns worker processes again, as `accutrain devices=2 micro_batch=8 accum=2` above "
                                 "(tests/test_ddp.py compares devices=2 with devices=1)",
     "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in the README)",
