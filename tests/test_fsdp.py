@@ -26,7 +26,8 @@ import torch.nn as nn
 
 class Net(nn.Sequential):
     def __init__(self, num_classes, in_channels, image_size, delay=0.0):
-        super().__init__(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 33), nn.ReLU(), nn.Linear(33, num_classes))
+        super().__init__(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 33), nn.ReLU(),
+                         nn.Linear(33, num_classes))
         self.delay = delay
 
     def forward(self, x):

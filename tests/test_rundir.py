@@ -173,7 +173,8 @@ def test_the_last_checkpoint_failing_ends_the_run_in_one_line(tmp_path, monkeypa
 def test_best_pt_failing_is_one_error_line_and_the_run_ends_saved(tmp_path, monkeypatch):
     failing_save(monkeypatch, fail_at={3})  # best.pt at optimizer step 3
     run_dir, log = train_here(tmp_path, "run", *QUICK)
-    assert f"could not write best.pt of optimizer step 3 into {run_dir / 'checkpoints'} (No space left on device)" in log
+    checkpoints = run_dir / "checkpoints"
+    assert f"could not write best.pt of optimizer step 3 into {checkpoints} (No space left on device)" in log
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
 
 

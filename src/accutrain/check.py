@@ -58,8 +58,8 @@ class Check:
         out += [f"  {name:<26} {diff:.2e}" for name, diff in self.groups.items()]
         out.append(f"  {'overall':<26} {self.overall:.2e}")
         if self.faithful:
-            out.append(f"verdict: faithful — the accumulated step is the big batch's step (within {self.tolerance:.0e} "
-                       f"at precision {self.precision})")
+            out.append(f"verdict: faithful — the accumulated step is the big batch's step (within "
+                       f"{self.tolerance:.0e} at precision {self.precision})")
         else:
             out.append(f"verdict: NOT faithful — the accumulated step differs from the big batch's by "
                        f"{self.overall:.1e} (tolerance {self.tolerance:.0e} at precision {self.precision})")

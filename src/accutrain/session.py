@@ -169,7 +169,8 @@ def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
     """Whether the weights about to be saved are finite: rank 0's whole ones (True elsewhere), or every rank's shards
     (then every rank gets the answer)."""
     if shards is None:
-        return not c.world.main or all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+        return not c.world.main or all(torch.isfinite(t).all() for t in state["model"].values()
+                                       if t.is_floating_point())
     local = all(torch.isfinite(t.to_local() if dist.is_sharded(t) else t).all()
                 for t in shards["model"].values() if t.is_floating_point())
     return bool(dist.all_reduce_min(torch.tensor(float(local)), c.world).item())
