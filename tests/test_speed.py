@@ -25,6 +25,7 @@ from accutrain.metrics import MetricsLog
 from accutrain.progress import Progress
 from accutrain.signals import StopRequest
 from accutrain.step import accumulate
+from accutrain.strategy import Strategy
 from accutrain.steplog import StepLog
 from accutrain.validate import validate
 from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
@@ -232,10 +233,9 @@ def test_ddp_around_the_compiled_model_still_reduces_once_per_step(tmp_path, com
     try:
         c = build(compose(*TINY, *AOT, "data.size=117", "trainer.epochs=1", "micro_batch=8", "accum=4"), World(),
                   torch.device("cpu"))
-        ddp = DistributedDataParallel(c.model, gradient_as_bucket_view=True)
-        comm = dist.CommStats()
-        ddp.register_comm_hook(comm, dist.counting_allreduce_hook)
-        c = dataclasses.replace(c, wrapped=ddp, no_sync=ddp.no_sync, comm=comm)
+        strategy = Strategy(World(0, 2), torch.device("cpu"))  # wraps as with 2 devices; the group has 1 rank
+        c = dataclasses.replace(c, wrapped=strategy.wrap(c.model), strategy=strategy)
+        assert isinstance(c.wrapped, DistributedDataParallel)
         metrics = MetricsLog(tmp_path / "metrics.jsonl")
         with StopRequest() as stop:
             fit(c, metrics, Progress(), lambda *a, **k: None, stop)
@@ -252,6 +252,7 @@ def test_ddp_around_the_compiled_model_still_reduces_once_per_step(tmp_path, com
     (["trainer.compile_mode=max-autotune"], ["does nothing without trainer.compile=true"]),
     (["trainer.compile=true", "trainer.compile_backend=nope"], ["trainer.compile_backend=nope", "inductor"]),
     ([*AOT, "trainer.compile_mode=max-autotune"], ["inductor backend"]),
+    ([*AOT, "strategy=fsdp", "devices=2"], ["strategy=fsdp cannot be combined with trainer.compile=true"]),
 ])
 def test_impossible_compile_settings_are_one_line(compose, overrides, fragments):
     with pytest.raises(Exception) as e:

@@ -24,6 +24,7 @@ from torch import nn
 from accutrain.batches import Batch, as_batch, stand_in_guard
 from accutrain.compiled import eager
 from accutrain.config import Normalize
+from accutrain.dist import is_sharded
 from accutrain.precision import Precision, make_precision
 
 FP32 = make_precision("32", torch.device("cpu"))
@@ -147,17 +148,20 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
     """The global L2 norm of the window's gradients, measured before clipping them to max_norm (if set). Gradients
     of one device and dtype (the usual case) take the fused kernels directly — the same arithmetic as
     clip_grad_norm_/get_total_norm, without their grouping, which costs more than the norm on a small model. Others
-    (several dtypes, sparse, sharded DTensors) go through torch's own functions."""
+    go through torch's own functions; sharded ones (strategy=fsdp) too: the norm is then a collective, which every
+    rank calls."""
     grads = [p.grad for p in parameters if p.grad is not None]
     kinds = {(type(g), g.device, g.dtype, g.layout) for g in grads}
-    if len(kinds) != 1 or next(iter(kinds))[0] is not torch.Tensor or grads[0].layout != torch.strided:
+    if len(kinds) == 1 and next(iter(kinds))[0] is torch.Tensor and grads[0].layout == torch.strided:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         if max_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
     if max_norm is not None:
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    return norm.full_tensor() if is_sharded(norm) else norm  # FSDP's: replicated, the same on every rank
 
 
 @torch.no_grad()
