@@ -8,16 +8,19 @@ the same optimizer. The hand-written loop is the textbook one:
 
 accutrain runs its whole recipe (window sampler, exact normalisation, grad-norm, scheduler, metrics.jsonl,
 progress bar). Runs alternate (hand, accutrain, hand, …) so that machine noise hits both; the first steps of
-each run are warm-up and not timed. Prints the per-round figures, the medians and their ratio.
+each run are warm-up and not timed. Prints the per-round figures, the medians, their ratio, and accutrain's extra
+cost per optimizer step in µs. `--clock cpu` times by the process's CPU time instead of the wall clock: on a shared
+machine it leaves out the time the process waited for a core (CPU training only; with 1 thread it is the stablest
+figure — `--threads 1`).
 
     python scripts/bench_overhead.py                                   # resnet18 on digits, 32 × 4
     python scripts/bench_overhead.py --rounds 7 model=mlp micro_batch=8 accum=8
     python scripts/bench_overhead.py --device cuda accum=4                # on a GPU (scripts/gpu_check.sh)
+    python scripts/bench_overhead.py --clock cpu --threads 1 --rounds 9 model=mlp micro_batch=8 accum=8
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -45,11 +48,28 @@ def setup(cfg):
     return build(cfg, World(), torch.device(cfg.trainer.device))
 
 
+CLOCK = time.perf_counter  # or time.process_time (--clock cpu)
+
+
 def now(device: torch.device) -> float:
-    """The time once the device's queued work is done (accutrain's loop waits for it too, reading the loss)."""
+    """The time once the device's queued work is done (accutrain's loop waits for it too, once per step)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter()
+    return CLOCK()
+
+
+class TimedMetrics(MetricsLog):
+    """metrics.jsonl as accutrain writes it, and the clock at each step's record."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.times: list[float] = []
+        self.samples: list[int] = []
+
+    def step(self, record: dict) -> None:
+        self.times.append(CLOCK())
+        self.samples.append(record["samples"])
+        super().step(record)
 
 
 def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
@@ -86,13 +106,11 @@ def accutrain_loop(cfg, steps: int, warmup: int) -> float:
     cfg.trainer.epochs, cfg.trainer.max_steps, cfg.trainer.eval_every = None, steps, 10**9
     r = setup(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = MetricsLog(Path(tmp) / "metrics.jsonl")
+        metrics = TimedMetrics(Path(tmp) / "metrics.jsonl")
         with StopRequest() as stop:
             fit(r, metrics, Progress(), lambda *a, **k: None, stop)
         metrics.close()
-        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "loss" in r]
-    return steady_rate([r["time"] for r in records], [r["samples"] for r in records], warmup)
+    return steady_rate(metrics.times, metrics.samples, warmup)
 
 
 def main() -> None:
@@ -101,18 +119,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="first optimizer steps not timed")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time")
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
     args = ap.parse_args()
     overrides = args.overrides or ["accum=4"]
     cfg = compose(f"trainer.device={args.device}", *overrides)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.ERROR)
 
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     gpu = f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
     print(f"machine: {platform.processor() or platform.machine()}{gpu}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, MALLOC_ARENA_MAX="
-          f"{os.environ.get('MALLOC_ARENA_MAX', '-')} MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', '-')}")
-    print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed")
+          f"{os.environ.get('MALLOC_ARENA_MAX', '-')} "
+          f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_', '-')}")
+    print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed; "
+          f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     hand, ours = [], []
     for r in range(args.rounds):
         hand.append(hand_written(cfg, args.steps, args.warmup))
@@ -122,6 +148,11 @@ def main() -> None:
     ratios = [o / h for o, h in zip(ours, hand)]
     print(f"median: hand-written {statistics.median(hand):.1f} samples/s, accutrain {statistics.median(ours):.1f} "
           f"samples/s; accutrain / hand-written = {statistics.median(ratios):.3f} (median of per-round ratios)")
+    step = cfg.micro_batch * (cfg.accum or 1)
+    extra = statistics.median((1 / o - 1 / h) * step * 1e6 for o, h in zip(ours, hand))
+    print(f"per optimizer step ({step} samples): hand-written {step / statistics.median(hand) * 1e6:.0f} µs; "
+          f"accutrain's extra {extra:.0f} µs (median of per-round differences)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 # a report of what ran, on what, with which result.
 #
 #   bash scripts/gpu_check.sh                      # everything; the report goes to gpu_report/REPORT.md
-#   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, ddp, fsdp)
+#   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, compile, ddp,
+#                                                    fsdp) into OUT/
 #
 # Steps: `tests` (pytest -m cuda: the CUDA correctness tests, e.g. tests/test_cuda_correctness.py), `smoke` (the
 # default job on the GPU, then accutrain-check), `memory` (scripts/bench_memory.py: peak memory and samples/s
-# against micro_batch), `overhead` (scripts/bench_overhead.py: accutrain's loop against the hand-written one), `ddp`
+# against micro_batch), `overhead` (scripts/bench_overhead.py: accutrain's loop against the hand-written one),
+# `compile` (the same with trainer.compile=true: compiled against eager samples/s), `ddp`
 # (scripts/bench_ddp.py, NCCL; needs 2 GPUs, else skipped and said), `fsdp` (scripts/bench_memory.py --strategies:
 # DDP vs FSDP each/last/offload at devices=2; needs 2 GPUs). Each step's full output is OUT/<step>.log;
 # REPORT.md has the machine, the versions, and per step the command, exit code, wall time and the output's end.
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${1:-gpu_report}
 shift $(( $# > 0 ? 1 : 0 ))
-STEPS=${*:-tests smoke memory overhead ddp fsdp}
+STEPS=${*:-tests smoke memory overhead compile ddp fsdp}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -94,6 +96,9 @@ for step in $STEPS; do
             run_step memory $PY scripts/bench_memory.py --steps 12 --out "$OUT/memory_gpu.png" ;;
         overhead)
             run_step overhead $PY scripts/bench_overhead.py --device cuda --rounds 5 accum=4 ;;
+        compile)
+            run_step compile $PY scripts/bench_overhead.py --device cuda --rounds 3 --steps 60 --warmup 12 accum=4 \
+                trainer.compile=true trainer.log_every=1000000 ;;
         ddp)
             if [ "$gpus" -ge 2 ]; then
                 run_step ddp $PY scripts/bench_ddp.py trainer.device=cuda micro_batch=16
@@ -107,7 +112,7 @@ for step in $STEPS; do
                 skip_step fsdp "needs 2 GPUs for DDP vs FSDP at devices=2, $gpus visible"
             fi ;;
         *)
-            skip_step "$step" "unknown step (tests, smoke, memory, overhead, ddp, fsdp)" ;;
+            skip_step "$step" "unknown step (tests, smoke, memory, overhead, compile, ddp, fsdp)" ;;
     esac
 done
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from accutrain import data, dist, lr_scaling, memory, models, norms, pitfalls
+from accutrain import compiled, data, dist, lr_scaling, memory, models, norms, pitfalls
 from accutrain.auto_batch import auto_micro_batch
 from accutrain.batches import BatchFormat, batch_format
 from accutrain.dist import World
@@ -103,6 +103,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     make_scheduler, sched_kwargs = factory("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
 
+    if trainer.compile:  # in place, once: after the search and the buffers' hooks, before DDP wraps it
+        compiled.compile_model(model, trainer.compile_mode, trainer.compile_backend)
+        log.info(f"torch.compile (backend {trainer.compile_backend}, mode {trainer.compile_mode or 'default'}): the "
+                 "model compiles at its first micro-batch; micro-batches of 0 or 1 samples and evaluation run eager")
     wrapped = strategy.wrap(model)
     for line in strategy.describe():
         log.info(line)

@@ -348,6 +348,10 @@ class TrainerConfig:
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
     export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
+    tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
+    compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once
+    compile_mode: Optional[str] = None  # torch.compile's mode: default | reduce-overhead | max-autotune | …
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for debugging)
 
 
 # --- batch_schedule/ -------------------------------------------------------------------------------------

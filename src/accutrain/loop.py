@@ -3,7 +3,8 @@
 Per window: |W| is known before the first backward (the sampler counts samples; element-normalised losses count
 their elements across ranks first); each micro-batch backpropagates its summed loss × world / |W| (step.py);
 then, once per window: gradients back from their buffers, AMP unscale, the global norm (clipped if asked), one
-small all-reduce of the loss and the stop votes, one optimizer and scheduler step, zero_grad, the record.
+small all-reduce of the loss and the stop votes, one optimizer and scheduler step, zero_grad, the record. The host
+waits for the device once per window (`settle`), never per micro-batch.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from accutrain import dist, lr_scaling, memory, norms, pitfalls
 from accutrain.build import Components
-from accutrain.config import OnNonFinite
+from accutrain.config import LRScaling, OnNonFinite
 from accutrain.errors import NonFinite, UserError
 from accutrain.metrics import MetricsLog
 from accutrain.progress import Progress
@@ -40,11 +41,41 @@ class Outcome:
     early_stop: bool = False  # trainer.early_stopping ended the run before its plan
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The config keys the loop reads every step, read once (an OmegaConf lookup costs tens of µs)."""
+
+    grad_clip: Optional[float]
+    eval_every: Optional[int]
+    checkpoint_every: Optional[int]
+    on_nonfinite: OnNonFinite
+    lr_scaling: LRScaling
+    base_batch: Optional[int]
+
+    @classmethod
+    def of(cls, c: Components) -> "Settings":
+        t = c.cfg.trainer
+        return cls(t.grad_clip, t.eval_every, t.checkpoint_every, t.on_nonfinite, c.cfg.optim.lr_scaling,
+                   c.cfg.optim.base_batch)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A window's figures, read from the device once: its loss summed over every rank, the global gradient norm
+    (before clipping), 16-mixed's overflow and next scale, and whether any rank was asked to stop."""
+
+    loss_sum: float
+    norm: float
+    stop: bool
+    overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
+    scale: Optional[float] = None  # the GradScaler's scale for the next window
+
+
 def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Optional[Path]],
         stop: StopRequest) -> Outcome:
     """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint
     (`save(p)`, and `save(p, best=True)` when an evaluation is the best so far)."""
-    trainer, plan = c.cfg.trainer, c.plan
+    s, plan = Settings.of(c), c.plan
     params = [param for param in c.model.parameters() if param.requires_grad]
     record = StepLog(c, metrics, p)
     c.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check, say)
@@ -55,35 +86,52 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
         for window, batches in windows_of(c.loader):
             record.start()
             terms, batches = window_terms(c, window, batches)  # |W|: the window's samples (or elements), all ranks
-            loss_sum = accumulate_window(c, p, window, batches, terms)  # forward+backward per micro-batch, one sync
+            loss_sum = accumulate_window(c, p, window, batches, terms)  # forward+backward per micro-batch
             if c.buffers:
                 c.buffers.release()  # the window's summed gradients back into .grad
-            if c.precision.scaler:
-                c.precision.scaler.unscale_(c.optimizer)  # before the norm and clipping
-            norm = grad_norm(params, trainer.grad_clip).item()  # measured, and clipped if asked, once per window
-            # One small all-reduce: the window's loss summed over every rank, and whether any rank was signalled.
-            loss_sum, stop_votes = dist.all_reduce_sum(torch.tensor(
-                [loss_sum.item(), stop.signum is not None], dtype=torch.float64, device=c.device), c.world).tolist()
-            lr_factor = lr_scaling.scaled_lr(1.0, window.batch, c.cfg.optim.lr_scaling, c.cfg.optim.base_batch)
-            loss, lr = loss_sum / terms, c.optimizer.param_groups[0]["lr"] * lr_factor
-            skipped = optimizer_step(c, loss, norm, lr_factor, f"optimizer step {p.step + 1} (epoch {epoch + 1})")
+            w = settle(c, params, s.grad_clip, loss_sum, stop)  # unscale, norm, clip, all-reduce: the one sync
+            lr_factor = lr_scaling.scaled_lr(1.0, window.batch, s.lr_scaling, s.base_batch)
+            loss, lr = w.loss_sum / terms, c.optimizer.param_groups[0]["lr"] * lr_factor
+            skipped = optimizer_step(c, s, loss, w, lr_factor, p)
             if c.ema is not None and skipped is None:
                 c.ema.update(c.model)  # the average moves with the optimizer step, only when one was taken
             c.optimizer.zero_grad(set_to_none=True)
             p.advance(window, plan, loss, skipped)
-            record(window, terms, loss, lr, norm, skipped, sum(pieces(n, p.oom_parts) for n in window.sizes))
+            record(window, terms, loss, lr, w, skipped, sum(pieces(n, p.oom_parts) for n in window.sizes))
 
             done, patience_out = p.step == plan.total_steps, False
-            if done or (p.step % trainer.eval_every == 0 if trainer.eval_every else p.window == 0):
+            if done or (p.step % s.eval_every == 0 if s.eval_every else p.window == 0):
                 if run_validation(c, metrics, p):
                     save(p, best=True)
                 patience_out = not done and c.monitor.out_of_patience(p.evals_since_best)
-            if done or stop_votes or patience_out or (trainer.checkpoint_every and
-                                                      p.step % trainer.checkpoint_every == 0):
+            if done or w.stop or patience_out or (s.checkpoint_every and p.step % s.checkpoint_every == 0):
+                metrics.flush()  # every record up to this checkpoint is on disk before it
                 path = save(p)
-                if done or stop_votes or patience_out:
-                    return outcome(record, p, stop.name if stop_votes else None, path, patience_out)
+                if done or w.stop or patience_out:
+                    return outcome(record, p, stop.name if w.stop else None, path, patience_out)
     return outcome(record, p, None, None)
+
+
+def settle(c: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], loss_sum: torch.Tensor,
+           stop: StopRequest) -> Settled:
+    """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
+    update do, without step's own wait for the device), the global norm (clipped if asked), and one all-reduce of
+    the loss and the stop votes; then the host reads it all as one small tensor — the step's only synchronisation."""
+    scaler = c.precision.scaler
+    summed = [loss_sum, torch.full((), float(stop.signum is not None), dtype=torch.float64, device=c.device)]
+    if scaler:
+        scaler.unscale_(c.optimizer)  # before the norm and clipping
+    norm = grad_norm(params, grad_clip).to(c.device, torch.float64)
+    extra = []
+    if scaler:
+        found = list(scaler._found_inf_per_device(c.optimizer).values())  # what scaler.step() would .item()
+        extra = [torch.stack(found).sum().to(c.device, torch.float64) if found else torch.zeros_like(norm)]
+        scaler.update()  # the next window's scale, from the same found-inf flags: a device op, no wait
+        extra.append(scaler._scale.to(c.device, torch.float64))
+    packed = torch.stack([*summed, norm, *extra])
+    dist.all_reduce_sum(packed[:2], c.world)  # the norm is already global: DDP averaged the gradients
+    values = packed.tolist()
+    return Settled(values[0], values[2], bool(values[1]), *((values[3] > 0, values[4]) if scaler else ()))
 
 
 def outcome(record: StepLog, p: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
@@ -98,8 +146,10 @@ def window_terms(c: Components, window: Window, batches: Iterator[Any]) -> tuple
     target is not ignore_index, counted in the loaded batches and summed over ranks."""
     if not c.loss.elements:
         return window.size, batches
-    loaded = list(batches)
-    terms = int(dist.all_reduce_sum(torch.tensor(c.loss.terms(loaded), device=c.device), c.world).item())
+    loaded = list(batches)  # counted on the host, where the loader left them: no wait for the device
+    terms = c.loss.terms(loaded)
+    if c.world.size > 1:
+        terms = int(dist.all_reduce_sum(torch.tensor(terms, device=c.device), c.world).item())
     if terms == 0:
         raise UserError(f"window {window.index} has no element to learn from: every target equals "
                         f"loss.ignore_index={c.loss.ignore_index}")
@@ -157,28 +207,24 @@ def twice_note(model: torch.nn.Module) -> str:
     return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
 
 
-def optimizer_step(c: Components, loss: float, norm: float, lr_factor: float, where: str) -> Optional[str]:
-    """Step the optimizer (its learning rates × lr_factor, the window's batch scaling) and the scheduler (and the
-    GradScaler) once for the window, or say why not: `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or
-    `amp_overflow` (16-mixed lowers its scale)."""
-    scaler, skipped = c.precision.scaler, None
-    if not math.isfinite(loss) or (not math.isfinite(norm) and not scaler):
-        skipped = "nonfinite"
-        if c.cfg.trainer.on_nonfinite is OnNonFinite.stop:
-            raise NonFinite(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at {where}: stopping "
-                            "(trainer.on_nonfinite=skip skips such windows)")
-    elif not math.isfinite(norm):
-        skipped = "amp_overflow"  # inf/NaN in the scaled gradients: the scaler skips the step
-    else:
-        with lr_scaling.window_lr(c.optimizer, lr_factor):
-            if scaler:
-                scaler.step(c.optimizer)
-            else:
-                c.optimizer.step()
-        c.scheduler.step()
-    if scaler:
-        scaler.update()
-    return skipped
+def optimizer_step(c: Components, s: Settings, loss: float, w: Settled, lr_factor: float, p: Progress
+                   ) -> Optional[str]:
+    """Step the optimizer (its learning rates × lr_factor, the window's batch scaling) and the scheduler once for the
+    window, or say why not: `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed: the
+    GradScaler, already updated by settle, lowered its scale)."""
+    scaler = c.precision.scaler
+    if not math.isfinite(loss) or (not math.isfinite(w.norm) and not scaler):
+        if s.on_nonfinite is OnNonFinite.stop:
+            raise NonFinite(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at optimizer step "
+                            f"{p.step + 1} (epoch {p.epoch + 1}): stopping (trainer.on_nonfinite=skip skips such "
+                            "windows)")
+        return "nonfinite"
+    if w.overflow:
+        return "amp_overflow"  # inf/NaN in the scaled gradients: no step, as GradScaler.step would decide
+    with lr_scaling.window_lr(c.optimizer, lr_factor):
+        c.optimizer.step()
+    c.scheduler.step()
+    return None
 
 
 def run_validation(c: Components, metrics: MetricsLog, p: Progress) -> bool:

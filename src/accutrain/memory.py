@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import mmap
+import os
 import re
+import resource
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -22,38 +24,73 @@ log = logging.getLogger("accutrain")
 
 
 # --- peak memory -----------------------------------------------------------------------------------------
-def _reset_rss() -> bool:
-    """Reset the process's peak resident set size to the current one (Linux); False where that cannot be done."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+class _PeakRSS:
+    """The process's peak resident set since the last reset (Linux): the reset writes "5" to /proc/self/clear_refs
+    through a descriptor kept open; the peak is getrusage's ru_maxrss where this kernel resets it too (checked once),
+    else VmHWM read from a kept-open /proc/self/status. A few µs per optimizer step instead of opening files."""
+
+    PROBE = 32 * 2**20  # the check's short-lived peak
+
+    def __init__(self) -> None:
+        self.clear_refs: Optional[int] = self._open("/proc/self/clear_refs", os.O_WRONLY)
+        self.status: Optional[int] = self._open("/proc/self/status", os.O_RDONLY)
+        self.rusage_follows: Optional[bool] = None  # known at the first reading
+
+    @staticmethod
+    def _open(path: str, flags: int) -> Optional[int]:
+        try:
+            return os.open(path, flags | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    def reset(self) -> bool:
+        """Start a new peak at the current resident set; False where that cannot be done."""
+        try:
+            return self.clear_refs is not None and os.write(self.clear_refs, b"5") == 1
+        except OSError:
+            return False
+
+    def _vm_hwm_kib(self) -> Optional[int]:
+        if self.status is None:
+            return None
+        found = re.search(rb"VmHWM:\s+(\d+) kB", os.pread(self.status, 4096, 0))
+        return int(found.group(1)) if found else None
+
+    def _rusage_follows(self) -> bool:
+        """Whether ru_maxrss drops with a reset, as VmHWM does (Linux ≥ 4.0 resets both; some kernels only VmHWM):
+        a short-lived peak above the current RSS, a reset, then both compared (within the kernel's per-CPU slack)."""
+        probe = mmap.mmap(-1, self.PROBE)
+        probe.write(bytes(self.PROBE))
+        probe.close()
+        hwm = self._vm_hwm_kib() if self.reset() else None
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return hwm is not None and abs(maxrss - hwm) < self.PROBE // 2**10 // 4
+
+    def mb(self) -> float:
+        if self.rusage_follows is None:
+            peak = self._vm_hwm_kib()  # this window's, before the check resets it
+            self.rusage_follows = self._rusage_follows()
+        else:
+            peak = None if self.rusage_follows else self._vm_hwm_kib()
+        return (peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+
+
+_PEAK_RSS = _PeakRSS()
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start a new peak: CUDA's max-allocated counter, or the process's peak RSS (Linux)."""
+    """Start a new peak: CUDA's max-allocated counter (host-side, no synchronisation), or the process's peak RSS."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    elif _CAN_RESET_RSS:
-        _reset_rss()
+    else:
+        _PEAK_RSS.reset()
 
 
 def peak_mb(device: torch.device) -> float:
     """MiB at the peak since reset_peak: CUDA max allocated on a GPU, the process's peak RSS on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        status = Path("/proc/self/status").read_text()
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
-    except (OSError, AttributeError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-_CAN_RESET_RSS = _reset_rss()
+    return _PEAK_RSS.mb()
 
 
 def is_oom(error: BaseException) -> bool:
@@ -91,11 +128,19 @@ def _recompute_contexts(*modules: nn.Module) -> tuple[ContextManager, ContextMan
     return nullcontext(), _frozen_running_stats(*modules)
 
 
+def _context(*modules: nn.Module) -> dict[str, Any]:
+    """checkpoint's context_fn: eager, BatchNorm's statistics frozen during the recomputation. Compiled
+    (trainer.compile) none: the recomputation is part of the compiled backward, which does not update them again —
+    and torch.compile takes no other context."""
+    if torch.compiler.is_compiling():
+        return {}
+    return {"context_fn": functools.partial(_recompute_contexts, *modules)}
+
+
 def _checkpointed(forward: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not (torch.is_grad_enabled() and module.training):
         return forward(*args, **kwargs)
-    return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False,
-                                       context_fn=functools.partial(_recompute_contexts, module), **kwargs)
+    return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **_context(module), **kwargs)
 
 
 def _run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -108,8 +153,7 @@ def _segmented_forward(model: nn.Sequential, segments: list[list[nn.Module]], x:
     for layers in segments:
         run = functools.partial(_run_layers, layers)
         if torch.is_grad_enabled() and model.training:
-            x = torch_checkpoint.checkpoint(run, x, use_reentrant=False,
-                                            context_fn=functools.partial(_recompute_contexts, *layers))
+            x = torch_checkpoint.checkpoint(run, x, use_reentrant=False, **_context(*layers))
         else:
             x = run(x)
     return x

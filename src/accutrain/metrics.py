@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,23 +14,42 @@ from accutrain.trackers import Trackers
 
 
 class MetricsLog:
-    """Appends one JSON object per line, flushed line by line so a running or killed run can be read; the optimizer
-    steps' and evaluations' records go to the trackers as well, as written.
+    """Appends one JSON object per line; the optimizer steps' and evaluations' records go to the trackers as well,
+    as written.
 
-    With no path (ranks other than 0) it writes nothing.
+    Step records are buffered and written together — every `FLUSH_RECORDS` records or `FLUSH_S` seconds, at each
+    evaluation, before each checkpoint (the loop calls flush()) and at close — so a killed run loses only records
+    after its last checkpoint, which a resume drops anyway (resume.keep_metrics_until). With no path (ranks other
+    than 0) it writes nothing.
     """
 
+    FLUSH_RECORDS, FLUSH_S = 100, 2.0
+
     def __init__(self, path: Optional[Path], trackers: Optional[Trackers] = None) -> None:
-        self.file = open(path, "a", buffering=1) if path is not None else None  # line-buffered
+        self.file = open(path, "a") if path is not None else None
         self.trackers = trackers or Trackers()
+        self.pending: list[dict[str, Any]] = []
+        self.flushed = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+        """Write `record` now, after the pending ones."""
+        self.pending.append(record)
+        self.flush()
+
+    def flush(self) -> None:
+        """Put every pending record in the file (one write) and hand it to the OS."""
+        if self.file is not None and self.pending:
+            self.file.write("".join(json.dumps(record) + "\n" for record in self.pending))
+            self.file.flush()
+        self.pending.clear()
+        self.flushed = time.monotonic()
 
     def step(self, record: dict[str, Any]) -> None:
         """An optimizer step's record."""
-        self.write(record)
+        if self.file is not None:
+            self.pending.append(record)
+            if len(self.pending) >= self.FLUSH_RECORDS or time.monotonic() - self.flushed >= self.FLUSH_S:
+                self.flush()
         self.trackers.log_step(record)
 
     def evaluation(self, record: dict[str, Any]) -> None:
@@ -39,7 +59,9 @@ class MetricsLog:
 
     def close(self) -> None:
         if self.file is not None:
+            self.flush()
             self.file.close()
+            self.file = None
 
 
 class _LogLines:

@@ -15,6 +15,7 @@ from accutrain.build import Components, build
 from accutrain.dist import World
 from accutrain.errors import NonFinite, UserError
 from accutrain.loop import Outcome, fit
+from accutrain.malloc import tune_malloc
 from accutrain.metrics import MetricsLog, summary_line
 from accutrain.progress import Progress
 from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
@@ -30,6 +31,10 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
     checkpoints/ go into run_dir."""
     device = dist.worker_device(device, world)
+    if device.type == "cpu" and cfg.trainer.tune_malloc:
+        tuned = tune_malloc()  # in every rank's process, before the data and the model are made
+        if world.main:
+            log.info(tuned)
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accutrain.batches import Batch, as_batch, stand_in_guard
+from accutrain.compiled import eager
 from accutrain.config import Normalize
 from accutrain.dist import is_sharded
 from accutrain.precision import Precision, make_precision
@@ -119,8 +120,9 @@ def accumulate(
             batch = following  # nothing to synchronise here: no forward needed
             continue
         with no_sync() if following is not None else nullcontext(), (  # one gradient all-reduce per window
-                stand_in_guard(model, device) if batch.stand_in else nullcontext()):
-            batch = batch.to(device)
+                stand_in_guard(model, device) if batch.stand_in else nullcontext()), eager(model, len(batch)):
+            if device.type != "cpu":  # the loader's batches are in CPU memory already
+                batch = batch.to(device)
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
             loss_sum = loss(logits, batch.target)
@@ -143,12 +145,22 @@ def cut_micro_batches(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], p
 
 
 def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """The global L2 norm of the window's gradients, measured before clipping them to max_norm (if set). Of sharded
-    gradients (strategy=fsdp) too: it is then a collective, which every rank calls."""
+    """The global L2 norm of the window's gradients, measured before clipping them to max_norm (if set). Gradients
+    of one device and dtype (the usual case) take the fused kernels directly — the same arithmetic as
+    clip_grad_norm_/get_total_norm, without their grouping, which costs more than the norm on a small model. Others
+    go through torch's own functions; sharded ones (strategy=fsdp) too: the norm is then a collective, which every
+    rank calls."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    kinds = {(type(g), g.device, g.dtype, g.layout) for g in grads}
+    if len(kinds) == 1 and next(iter(kinds))[0] is torch.Tensor and grads[0].layout == torch.strided:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if max_norm is not None:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
     if max_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     return norm.full_tensor() if is_sharded(norm) else norm  # FSDP's: replicated, the same on every rank
 
 
@@ -161,14 +173,15 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)
-    for batch in loader:
-        batch = as_batch(batch).to(device)
-        with precision.autocast():
-            logits = batch.forward(model, precision.inputs)
-        y = loss.target(batch.target)
-        counted = y != loss.ignore_index
-        sums[0] += summed_cross_entropy(logits, y, loss.ignore_index).double()
-        sums[1] += ((logits.argmax(1) == y) & counted).sum()
-        sums[2] += counted.sum()
+    with eager(model):  # a compiled model too: its evaluation would be one more graph
+        for batch in loader:
+            batch = as_batch(batch).to(device)
+            with precision.autocast():
+                logits = batch.forward(model, precision.inputs)
+            y = loss.target(batch.target)
+            counted = y != loss.ignore_index
+            sums[0] += summed_cross_entropy(logits, y, loss.ignore_index).double()
+            sums[1] += ((logits.argmax(1) == y) & counted).sum()
+            sums[2] += counted.sum()
     model.train(was_training)
     return sums

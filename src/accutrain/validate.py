@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain import compiled
 from accutrain.config import LRScaling
 from accutrain.errors import UserError
 from accutrain.monitor import METRICS
@@ -97,6 +98,7 @@ def validate(cfg: DictConfig) -> None:
                         "evaluations, or null")
     if t.min_delta < 0:
         raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
+    compiled.check_settings(t)
     for name in t.preempt_signals:
         if name not in signal.Signals.__members__ or name in UNCATCHABLE:
             raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
@@ -125,6 +127,8 @@ def validate_strategy(cfg: DictConfig) -> None:
          "model.norm=frozen"),
         (t.ema_device is not None, f"trainer.ema_device={t.ema_device}", "the average is sharded like the weights "
          "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
+        (t.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not verified with "
+         "accutrain's exact accumulation; use strategy=ddp to compile"),
         (t.get("export") is not None, f"trainer.export={t.get('export')}", "save_pretrained needs the whole model in "
          "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
     ]

@@ -1,0 +1,96 @@
+"""`trainer.compile`: the model compiled once by torch.compile, in place (nn.Module.compile: parameter names, hence
+checkpoints, unchanged), after activation checkpointing and before DDP wraps it, so that DDP's no_sync still skips
+the all-reduce of every micro-batch but the window's last.
+
+Recompilation with accumulation: the first micro-batch size compiles a static graph; the first other size (the
+epoch's short tail, an out-of-memory re-split) one graph with a dynamic batch dimension that serves every later
+size. Sizes 0 and 1, which dynamo always specialises (a rank's empty share of a short window, a tail of one
+sample), and evaluation (no_grad: a graph of its own) run the same module eagerly. So a run compiles at most 2
+graphs, and the log says how long that took.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from accutrain.errors import UserError
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_settings(trainer: Any) -> None:
+    """trainer.compile, compile_mode and compile_backend: one line for what cannot work."""
+    if trainer.compile_mode is not None and trainer.compile_mode not in MODES:
+        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is not valid: expected one of "
+                        f"{', '.join(MODES)}, or null")
+    if not trainer.compile:
+        if trainer.compile_mode is not None:
+            raise UserError(f"trainer.compile_mode={trainer.compile_mode} does nothing without trainer.compile=true")
+        return
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise UserError("trainer.compile=true: torch.compile does not support this Python/PyTorch; "
+                        "use trainer.compile=false")
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if trainer.compile_backend not in backends:
+        raise UserError(f"trainer.compile_backend={trainer.compile_backend} is not valid: expected one of "
+                        f"{', '.join(sorted(backends))}")
+    if trainer.compile_mode is not None and trainer.compile_backend != "inductor":
+        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is a mode of the inductor backend, not of "
+                        f"trainer.compile_backend={trainer.compile_backend}")
+
+
+def compile_model(model: nn.Module, mode: Optional[str], backend: str) -> None:
+    """Compile `model` in place (its first call compiles); WATCH counts graphs and seconds from here."""
+    global WATCH
+    model.compile(mode=mode, backend=backend)
+    WATCH = CompileWatch()
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether `model` (or the module a DDP wrapper holds) was compiled in place."""
+    return getattr(getattr(model, "module", model), "_compiled_call_impl", None) is not None
+
+
+def eager(model: nn.Module, samples: Optional[int] = None) -> ContextManager:
+    """Run a compiled model eagerly inside the block — for a micro-batch of 0 or 1 samples (`samples`), or always
+    (None: evaluation) — so that those never compile graphs of their own. Nothing for a model not compiled."""
+    if (samples is not None and samples > 1) or not is_compiled(model):
+        return nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+class CompileWatch:
+    """Graphs compiled and seconds spent compiling since it was made (dynamo's process-wide counters)."""
+
+    def __init__(self) -> None:
+        self.graphs0, self.seconds0 = self._graphs(), self._seconds()
+
+    @staticmethod
+    def _graphs() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    @staticmethod
+    def _seconds() -> float:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        # dynamo's tracing with the forward's compilation; the backward's, compiled at its first call
+        return sum(sum(times) for key, times in compilation_time_metrics.items()
+                   if key == "_compile.compile_inner" or key.startswith("backward."))
+
+    @property
+    def graphs(self) -> int:
+        return self._graphs() - self.graphs0
+
+    @property
+    def seconds(self) -> float:
+        return self._seconds() - self.seconds0
+
+
+WATCH: Optional[CompileWatch] = None  # since the last compile_model (one run per process; a check before it counts)
