@@ -1,5 +1,8 @@
 """Augmentation that keeps the promise: per-sample views from (seed, epoch, sample), MixUp/CutMix over the window,
 label smoothing — the same run under any micro_batch, accum, devices or data.num_workers."""
+import random
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +17,9 @@ from accutrain.step import SummedLoss, accumulate
 from accutrain.config import LastWindow
 from accutrain.plan import make_plan
 from accutrain.windows import MicroBatch, Window, WindowData, WindowSampler
-from conftest import (TINY, assert_one_line_error, assert_one_line_user_error, assert_same_weights, final_weights,
-                      read_metrics, run_cli, train_here)
+from conftest import (RUN, TINY, assert_identical, assert_one_line_error, assert_one_line_user_error,
+                      assert_same_weights, final_weights, read_metrics, run_cli, start, train_here, train_run,
+                      wait_for_steps)
 
 # 110 samples = windows of 32, 32, 32 and 14: micro_batch=8 leaves a micro-batch of 6, devices=2 a rank with less.
 # grad_clip would show a per-micro-batch clip; label smoothing and MixUp's soft targets go through the summed loss.
@@ -36,7 +40,7 @@ SPLITS = {"accum": ["micro_batch=8", "accum=4"], "workers": ["micro_batch=8", "a
 def test_augmented_runs_are_the_same_run_under_any_split(tmp_path, recipe):
     args = [*WINDOWS, *RECIPES[recipe]]
     big, _ = train_here(tmp_path, "big", *args, "micro_batch=32", "accum=1")
-    splits = ["accum", "workers"] + (["devices"] if recipe != "crop_flip" else [])  # devices=2 spawns: two of three
+    splits = ["accum", "workers"] + (["devices"] if recipe.endswith("sample_smoothing") else [])  # spawns: once
     for split in splits:
         run, _ = train_here(tmp_path, split, *args, *SPLITS[split])
         assert_same_weights(final_weights(run), final_weights(big))
@@ -190,13 +194,25 @@ def test_bad_augmentation_input_is_one_line_naming_the_key(tmp_path, args, fragm
     assert_one_line_user_error(e.value, *fragments)
 
 
-def test_an_unknown_recipe_and_a_negative_alpha_are_one_line_from_the_command_line(tmp_path):
+def test_an_unknown_recipe_is_one_line_from_the_command_line(tmp_path):
     proc = run_cli(*TINY, "augment=sharpen", cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "augment")
+    assert_one_line_error(proc, "augment", "sharpen")
     assert proc.returncode == 2
-    proc = run_cli(*TINY, "augment.cutmix_alpha=-1", cwd=tmp_path, check=False)
-    assert_one_line_error(proc, "augment.cutmix_alpha=-1")
-    assert proc.returncode == 2
+
+
+@pytest.mark.slow
+def test_sigkilled_augmented_and_mixed_run_resumes_bit_identical(slow):
+    args = [*RUN, "augment=crop_flip", "augment.padding=2", "augment.mixup_alpha=0.4", "augment.cutmix_alpha=1.0",
+            "augment.mix_mode=sample", "loss.label_smoothing=0.1"]
+    reference, _ = train_run(slow, "reference", *args)
+    proc = start(slow, "killed", *args, "+model.delay=0.02")
+    wait_for_steps(slow / "killed", random.Random().randint(2, 10), proc)
+    proc.kill()
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    resumed, out = train_run(slow, "killed", *args, "resume=auto")
+    assert "resumed from" in out.stderr
+    assert_identical(final_weights(resumed), final_weights(reference))
+    assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in read_metrics(reference)[0]]
 
 
 def test_window_data_without_views_or_mixer_is_unchanged():
