@@ -220,3 +220,28 @@ def test_window_data_without_views_or_mixer_is_unchanged():
     window = Window(0, 0, 3, (3,), 3)
     _, batch = WindowData(data).__getitems__(MicroBatch([4, 1, 2], window))
     assert batch.target.tolist() == [1, 1, 2] and batch.inputs[:, 0, 0, 0].tolist() == [4, 1, 2]
+
+
+def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_crop(tmp_path, compose):
+    from test_data import make_image_folder
+    from torchvision.transforms import v2
+
+    from accutrain.data import image_folder
+
+    root = make_image_folder(tmp_path, size=12)
+    cfg = compose("data=imagefolder", f"data.root={root}", "data.image_size=8", "model=resnet18",
+                  "model.pretrained=true")
+    assert cfg.augment.crop.name == "resized" and cfg.augment.eval_crop_ratio == 0.875  # the data's default recipe
+    mean, std = views.pretrained_normalisation(cfg.model, 3)
+    seen = views.apply(image_folder(str(root), 8, 3), cfg.augment, cfg.model, seed=0)
+    expected = v2.Compose([v2.Resize(9, antialias=True), v2.CenterCrop(8), v2.ToImage(),
+                           v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+    raw = seen.val.raw[0][0].convert("RGB")
+    torch.testing.assert_close(seen.val[0][0], expected(raw).as_subclass(torch.Tensor))  # the weights' mean/std
+    assert seen.train.view(0, 0)[0].shape == (3, 8, 8)
+    assert not torch.equal(seen.train.view(0, 0)[0], seen.train.view(1, 0)[0])
+    run, _ = train_here(tmp_path, "folder", "data=imagefolder", f"data.root={root}", "data.image_size=8",
+                        "model=cnn", "model.channels=[8]", "trainer.epochs=1", "micro_batch=4", "accum=2",
+                        "data.num_workers=0",
+                        "trainer.progress=false")
+    assert read_metrics(run)[1]
