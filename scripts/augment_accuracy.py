@@ -3,8 +3,8 @@ ways, on generated images (no download) read through data=imagefolder.
 
     python scripts/augment_accuracy.py [--train 32] [--epochs 100] [--size 16] [--seeds 0 1 2]
 
-The images: four shapes (circle, square, triangle, cross) drawn at a random place, size and (light) colour on a dark, noisy
-32×32 background; few training images per class, many held out, so that what augmentation adds shows. Each
+The images: four shapes (circle, square, triangle, cross) drawn at a random place, size and (light) colour on a
+dark, noisy 32×32 background; few training images per class, many held out, so that what augmentation adds shows. Each
 configuration trains `model=cnn` at effective batch 32 as `micro_batch=32` and as `micro_batch=8 accum=4`: the
 two splits end with the same weights (accutrain's promise), hence the same accuracy, with or without augmentation.
 """

@@ -1,7 +1,7 @@
 """What augmentation costs the train loader: samples/s of one epoch of the window loader, without augmentation,
-with each recipe, and with MixUp+CutMix (which reads two samples per sample), on CIFAR-10's format (generated: no download) — 32×32
-RGB PIL images decoded from uint8 arrays held in memory, as torchvision's CIFAR10 returns them — alternating the
-variants round after round and reporting medians.
+with each recipe, and with MixUp+CutMix (which reads two samples per sample), on CIFAR-10's format (generated: no
+download) — 32×32 RGB PIL images made from uint8 arrays held in memory, as torchvision's CIFAR10 returns them —
+alternating the variants round after round and reporting medians.
 
     python scripts/bench_augment.py [--rounds 5] [--size 2048] [--workers 0]
 

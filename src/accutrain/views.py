@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -18,9 +18,6 @@ from torch.utils.data import Dataset
 from accutrain.config import Crop
 from accutrain.errors import UserError
 from accutrain.seeding import keyed_seed, seeded_cpu_rng
-
-if TYPE_CHECKING:
-    from accutrain.data import Datasets
 
 VIEW_STREAM = 1  # keyed_seed(seed, VIEW_STREAM, epoch, index): one sample's view in one epoch
 
@@ -130,9 +127,10 @@ def pretrained_normalisation(model_cfg: Any, channels: int) -> Optional[tuple[tu
     return mean, std
 
 
-def apply(datasets: Datasets, augment: Any, model_cfg: Any, seed: int) -> Datasets:
-    """The splits as this run sees them: the training split through the recipe's random view (drawn per sample from
-    (seed, epoch, sample)), the held-out split through its fixed view; both normalised as pretrained weights expect."""
+def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int) -> Any:
+    """The accutrain.data.Datasets as this run sees them: the training split through the recipe's random view (drawn
+    per sample from (seed, epoch, sample)), the held-out split through its fixed view; both normalised as pretrained
+    weights expect."""
     source = datasets.images
     if source is None:
         if is_random(augment) or augment.eval_crop_ratio != 1.0:
