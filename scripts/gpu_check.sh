@@ -3,12 +3,13 @@
 # a report of what ran, on what, with which result.
 #
 #   bash scripts/gpu_check.sh                      # everything; the report goes to gpu_report/REPORT.md
-#   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, ddp) into OUT/
+#   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, ddp, fsdp)
 #
 # Steps: `tests` (pytest -m cuda: the CUDA correctness tests, e.g. tests/test_cuda_correctness.py), `smoke` (the
 # default job on the GPU, then accutrain-check), `memory` (scripts/bench_memory.py: peak memory and samples/s
 # against micro_batch), `overhead` (scripts/bench_overhead.py: accutrain's loop against the hand-written one), `ddp`
-# (scripts/bench_ddp.py, NCCL; needs 2 GPUs, else skipped and said). Each step's full output is OUT/<step>.log;
+# (scripts/bench_ddp.py, NCCL; needs 2 GPUs, else skipped and said), `fsdp` (scripts/bench_memory.py --strategies:
+# DDP vs FSDP each/last/offload at devices=2; needs 2 GPUs). Each step's full output is OUT/<step>.log;
 # REPORT.md has the machine, the versions, and per step the command, exit code, wall time and the output's end.
 # The exit code is the number of steps that failed (0: all passed).
 #
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${1:-gpu_report}
 shift $(( $# > 0 ? 1 : 0 ))
-STEPS=${*:-tests smoke memory overhead ddp}
+STEPS=${*:-tests smoke memory overhead ddp fsdp}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -99,8 +100,14 @@ for step in $STEPS; do
             else
                 skip_step ddp "needs 2 GPUs for NCCL, $gpus visible"
             fi ;;
+        fsdp)
+            if [ "$gpus" -ge 2 ]; then
+                run_step fsdp $PY scripts/bench_memory.py --strategies --rounds 3 trainer.device=cuda
+            else
+                skip_step fsdp "needs 2 GPUs for DDP vs FSDP at devices=2, $gpus visible"
+            fi ;;
         *)
-            skip_step "$step" "unknown step (tests, smoke, memory, overhead, ddp)" ;;
+            skip_step "$step" "unknown step (tests, smoke, memory, overhead, ddp, fsdp)" ;;
     esac
 done
 

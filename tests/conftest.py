@@ -175,7 +175,8 @@ def slow(tmp_path, monkeypatch):
 def start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")
     return subprocess.Popen([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
 
 
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -143,7 +143,8 @@ def test_killed_run_with_the_average_best_checkpoint_and_early_stopping_resumes_
     assert_identical(ema_of(resumed), ema_of(reference))
     best = {name: json.loads((d / "status.json").read_text())["best"] for name, d in
             (("reference", reference), ("resumed", resumed))}
-    assert best["resumed"]["step"] == best["reference"]["step"] and best["resumed"]["value"] == best["reference"]["value"]
+    assert best["resumed"]["step"] == best["reference"]["step"]
+    assert best["resumed"]["value"] == best["reference"]["value"]
     row = runs.read_run(resumed, "killed")  # what accutrain-report and the sweep summary show
     assert (row.monitor, row.best, row.best_step) == ("val_loss", best["reference"]["value"], best["reference"]["step"])
     assert row.best_val_acc_ema is not None

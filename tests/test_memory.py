@@ -222,6 +222,26 @@ def test_auto_search_stops_at_the_budget():
         search_micro_batch(8, lambda size: (False, 0.0), budget_mb=None)
 
 
+def test_auto_search_with_batchnorm_starts_at_two_samples(tmp_path, monkeypatch):
+    (tmp_path / "bnnet.py").write_text("""
+import torch.nn as nn
+
+class Net(nn.Module):  # BatchNorm1d: one sample per micro-batch cannot train
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 16), nn.BatchNorm1d(16),
+                                 nn.ReLU(), nn.Linear(16, num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+""")
+    monkeypatch.syspath_prepend(tmp_path)
+    _, log = train_here(tmp_path, "run", *TINY_DATA, "model=custom", "model._target_=bnnet.Net", "micro_batch=auto",
+                        "global_batch=8", "trainer.memory_budget_mb=1000000", "trainer.max_steps=1")
+    assert "trial steps 1: not tried (BatchNorm in training needs 2 or more samples per micro-batch); 2: fits" in log
+    assert "effective batch 8 = micro_batch 8 × accum 1 × devices 1" in log
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["micro_batch=auto"], "micro_batch=auto needs global_batch"),
     (["micro_batch=auto", "global_batch=32", "accum=2"], "drop accum=2"),

@@ -17,8 +17,8 @@ README = (ROOT / "README.md").read_text()
 
 # Commands not run here, by how they begin, and why.
 SKIPPED = {
-    'pip install -e ".[dev]"': "the install itself: CI runs it (test_ci_runs_the_readme_install_and_test_commands)",
-    'pip install "accutrain[sweeps]"': "installs from PyPI: needs the internet",
+    "pip install": "installs packages: CI runs the dev install, which has every extra "
+                   "(test_ci_runs_the_readme_install_and_test_commands)",
     "pytest": "the test suite itself",
     "torchrun --nnodes 2": "needs several machines",
     "accutrain data=cifar10": "downloads CIFAR-10: needs the internet",
@@ -26,9 +26,15 @@ SKIPPED = {
     "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: "
                                           "tests/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
                                           "writes_the_summary runs this launcher through the command line",
+    "accutrain devices=8": "eight worker processes, a GPU machine's commands: tests/test_fsdp.py runs strategy=fsdp "
+                           "(sync=last, sharded checkpoints) with devices=2",
     "accutrain -m devices=1,2": "spawns worker processes again, as `accutrain devices=2 micro_batch=8 accum=2` above "
                                 "(tests/test_ddp.py compares devices=2 with devices=1)",
     "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in the README)",
+    "accutrain model=hf_causal_lm model.name_or_path=gpt2": "downloads GPT-2: needs the internet",
+    "accutrain model=hf_seq_cls model.name_or_path=distilbert": "downloads DistilBERT: needs the internet",
+    "tensorboard --logdir": "a web server: tests/test_trackers.py reads the event files with TensorBoard's reader",
+    "mlflow ui": "a web server: tests/test_trackers.py reads the runs back with MlflowClient",
 }
 # Appended to a command that trains, unless it chooses these itself: a few seconds in all, not the real run.
 SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
@@ -49,6 +55,25 @@ class Net(nn.Module):  # the README's `model=custom model._target_=mymodels.Net 
     def forward(self, x):
         return self.body(x)
 """
+
+MYDATA = """
+import torch
+from accutrain.data import Datasets, InMemory
+
+def make(size, seed, val_size=32, **_):  # the README's `data=custom data._target_=mydata.make +data.size=1000`
+    g = torch.Generator().manual_seed(seed)
+    def split(n):
+        x = torch.randn(n, 1, 8, 8, generator=g)
+        return InMemory(x, (x.mean(dim=(1, 2, 3)) > 0).long())
+    return Datasets(split(size), split(val_size), 2, (1, 8, 8), f"two classes by sign ({size} samples)")
+"""
+
+
+def pairs(n: int = 40) -> str:
+    """`data.train=pairs.jsonl` for the README's tiny GPT-2: "12 plus 7 is " → "19." pairs."""
+    return "".join(json.dumps({"prompt": f"{a} plus {b} is ", "response": f"{a + b}."}) + "\n"
+                   for a, b in ((i % 13, i % 7) for i in range(n)))
+
 
 # Runs every command in one Python process (each as its console script would: accutrain.cli.main with sys.argv),
 # so that the imports are paid once; records each one's exit code and what it printed on stderr.
@@ -99,7 +124,7 @@ def commands(text: str) -> list[tuple[str, int, str]]:
                     found.append((" ".join(line.split("#", 1)[0].split()), 0, ""))
             continue
         for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
-            command, *output = chunk.splitlines()
+            command, *output = re.sub(r"\\\n\s*", " ", chunk).splitlines()
             code = re.search(r"^exit code (\d+)$", chunk, flags=re.M)
             error = next((line for line in output if ": error: " in line), "")
             found.append((command.strip(), int(code.group(1)) if code else (2 if error else 0), error))
@@ -156,6 +181,8 @@ def test_every_readme_command_works_as_printed(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     (work / "mymodels.py").write_text(MYMODELS)
+    (work / "mydata.py").write_text(MYDATA)
+    (work / "pairs.jsonl").write_text(pairs())
     runs, expected = [], []
     for index, (command, code, error) in enumerate(commands(README)):
         if skipped(command) or command in [c for c, _, _ in expected]:

@@ -156,18 +156,26 @@ def test_a_checkpoint_write_failing_mid_run_keeps_the_previous_one_and_training_
                       "checkpoint tries again"]
     assert f"the disk holding {run_dir / 'checkpoints'} has 0.0477 MiB free" in log  # said at start
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "last.pt", "step-00000001.pt", "step-00000003.pt"]  # no temporary file left
+        "best.pt", "last.pt", "step-00000001.pt", "step-00000003.pt"]  # no temporary file left
     assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2, 3]
 
 
 def test_the_last_checkpoint_failing_ends_the_run_in_one_line(tmp_path, monkeypatch):
-    failing_save(monkeypatch, fail_at={3}, error=errno.EIO)
+    failing_save(monkeypatch, fail_at={4}, error=errno.EIO)  # calls: step 1, step 2, best.pt at 3, step 3
     with pytest.raises(UserError) as info:
         train_here(tmp_path, "run", *QUICK)
     assert str(info.value).startswith("could not write the checkpoint of optimizer step 3")
     assert "(Input/output error); the newest on disk is step-00000002.pt: the run's last steps are not saved" in str(
         info.value)
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+
+
+def test_best_pt_failing_is_one_error_line_and_the_run_ends_saved(tmp_path, monkeypatch):
+    failing_save(monkeypatch, fail_at={3})  # best.pt at optimizer step 3
+    run_dir, log = train_here(tmp_path, "run", *QUICK)
+    checkpoints = run_dir / "checkpoints"
+    assert f"could not write best.pt of optimizer step 3 into {checkpoints} (No space left on device)" in log
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
 
 
 def test_last_pt_failing_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from accutrain import dist
+from accutrain import dist, norms
 from accutrain.batches import Batch, PadCollate, batch_format
 from accutrain.data import Datasets
 from accutrain.dist import World
@@ -61,7 +61,9 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
         return batch_format(cfg.data, collate)([datasets.train[i % len(datasets.train)] for i in range(size)])
 
     fits = trial(model, optimizer, precision, batch_of, device, budget, loss, buffers)
-    found, notes = search_micro_batch(window, fits, budget)
+    # BatchNorm in training cannot normalise one sample (one value per channel): the search starts at 2.
+    smallest = 2 if window > 1 and norms.batchnorm_layers(model, training_only=True) else 1
+    found, notes = search_micro_batch(window, fits, budget, smallest)
     log.info(f"micro_batch=auto: trial steps {'; '.join(notes)}")
     if world.size > 1:  # every rank tried on its own device: take the size that fits on all of them
         found = int(dist.all_reduce_min(torch.tensor(found, device=device), world).item())
@@ -75,13 +77,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search_micro_batch(window: int, fits: Callable[[int], tuple[bool, float]], budget_mb: Optional[float]
-                       ) -> tuple[int, list[str]]:
-    """The largest divisor of `window` (a rank's share of the effective batch) for which `fits` holds, trying
-    sizes upward and stopping at the first that does not fit; with a budget, a size whose memory, extrapolated
-    from the last two trials, exceeds it is not tried. Returns (size, what each trial found)."""
+def search_micro_batch(window: int, fits: Callable[[int], tuple[bool, float]], budget_mb: Optional[float],
+                       smallest: int = 1) -> tuple[int, list[str]]:
+    """The largest divisor of `window` (a rank's share of the effective batch), from `smallest` up, for which `fits`
+    holds, trying sizes upward and stopping at the first that does not fit; with a budget, a size whose memory,
+    extrapolated from the last two trials, exceeds it is not tried. Returns (size, what each trial found)."""
     best, notes, trials = None, [], []
-    for size in divisors(window):
+    if smallest > 1:
+        notes.append("1: not tried (BatchNorm in training needs 2 or more samples per micro-batch)")
+    for size in [d for d in divisors(window) if d >= smallest]:
         if budget_mb is not None and len(trials) >= 2:
             (s0, m0), (s1, m1) = trials[-2:]
             predicted = m1 + (m1 - m0) / (s1 - s0) * (size - s1)
@@ -95,7 +99,7 @@ def search_micro_batch(window: int, fits: Callable[[int], tuple[bool, float]], b
         best = size
         trials.append((size, mb))
     if best is None:
-        raise UserError(f"micro_batch=auto: not even a micro-batch of 1 fits ({'; '.join(notes)})")
+        raise UserError(f"micro_batch=auto: not even a micro-batch of {smallest} fits ({'; '.join(notes)})")
     return best, notes
 
 

@@ -3,7 +3,8 @@
 Points `(at, batch)`, `at` in samples, epochs (× the training set) or a fraction of the run's training samples
 (`unit`); `ramp=step` holds each batch from its point to the next, `ramp=linear` interpolates between them,
 rounded down to a multiple of the scheduled batches' greatest common divisor — a property of the schedule, not of
-the split, which must divide every scheduled batch. After the last point the last batch holds. The windows are cut from the seed's permutation with these sizes, so every split of the same
+the split, which must divide every scheduled batch. After the last point the last batch holds. The windows are
+cut from the seed's permutation with these sizes, so every split of the same
 schedule visits the same windows (plan.py, windows.py).
 """
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """From the typed config to everything the loop needs: data, model, optimizer, scheduler, the batch plan, the
-window loader, and the device wrapping (DDP). Each part comes from a small factory chosen by the config."""
+window loader, and how the ranks share the model (the strategy: DDP or FSDP). Each part comes from a small
+factory chosen by the config."""
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from accutrain import data, dist, lr_scaling, memory, models, norms, pitfalls, views
@@ -26,6 +26,7 @@ from accutrain.plan import BatchPlan, make_plan
 from accutrain.precision import Precision, make_precision
 from accutrain.seeding import seed_everything
 from accutrain.step import SummedLoss, make_loss
+from accutrain.strategy import Strategy, make_strategy
 from accutrain.targets import accepted, factory
 from accutrain.windows import WindowSampler, window_loader
 
@@ -42,8 +43,7 @@ class Components:
     device: torch.device
     model: nn.Module  # the bare model: its state_dict is what checkpoints hold
     wrapped: nn.Module  # what the loop calls: the DDP wrapper on several devices, else the model itself
-    no_sync: Callable[[], ContextManager]  # skips the gradient all-reduce of a micro-batch (DDP), else nothing
-    comm: Optional[dist.CommStats]  # what the gradient all-reduces sent (several devices)
+    strategy: Strategy  # how the ranks share the model: no_sync, the reductions' counts, checkpoint state
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: WindowSampler
@@ -68,7 +68,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
     precision = make_precision(trainer.precision, device)
     batches = batch_format(cfg.data, datasets.collate)
-    model = build_model(cfg, datasets, batches, world, device, precision)
+    strategy = make_strategy(cfg, world, device, precision)
+    # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
+    model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
     loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index, cfg.loss.shift_labels, model,
                      cfg.loss.label_smoothing)
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
@@ -105,40 +107,39 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     make_scheduler, sched_kwargs = factory("sched", cfg.sched)
     scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
 
-    wrapped, no_sync, comm = model, nullcontext, None
-    if world.size > 1:
-        wrapped = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          gradient_as_bucket_view=True)
-        comm = dist.CommStats(process_group=None)
-        wrapped.register_comm_hook(comm, dist.counting_allreduce_hook)
-        no_sync = wrapped.no_sync
+    wrapped = strategy.wrap(model)
+    for line in strategy.describe():
+        log.info(line)
 
     pin = device.type == "cuda"
     sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer)  # MixUp/CutMix drawn per window
     # The loader draws its workers' seeds from its own generator, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
-    # otherwise mix the stand-in into the other ranks' statistics).
+    # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
+    # communicates (a skipped stand-in would leave the other ranks waiting) and which takes zero samples.
     loader = window_loader(datasets.train, sampler, cfg.data.num_workers, pin,
                            generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
-                           stand_in=not synced)
+                           stand_in=not synced and not strategy.lockstep)
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
-    val_loader = data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin,
-                                  collate=batches)
+    val_loader = strategy.eval_batches(
+        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin,
+                         collate=batches), lambda: batches([datasets.val[0]]).head(0))
     for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
                     pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),
                     pitfalls.unshifted_labels_warning(loader.dataset.__getitems__(next(sampler.windows())[0])[1],
                                                       loss)):
         if warning:
             log.warning(warning)
-    return Components(cfg, world, plan, device, model, wrapped, no_sync, comm, optimizer, scheduler, sampler, loader,
+    return Components(cfg, world, plan, device, model, wrapped, strategy, optimizer, scheduler, sampler, loader,
                       val_loader, precision, buffers, loss, make_ema(trainer, model), Monitor.from_config(trainer),
                       datasets.tokenizer)
 
 
 def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
-                precision: Precision) -> nn.Module:
+                precision: Precision, strategy: Optional[Strategy] = None) -> nn.Module:
     """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device
-    (SyncBatchNorm comes later, in build, once micro_batch=auto has searched)."""
+    (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm comes later, in build,
+    once micro_batch=auto has searched)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
@@ -149,7 +150,9 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, 
         else:
             log.warning("trainer.activation_checkpointing=true does nothing for this model: it has no blocks to "
                         "wrap (modules with parameters inside an nn.Sequential or nn.ModuleList)")
-    model = model.to(device=device, dtype=precision.param_dtype)
+    if strategy is not None:
+        strategy.check_model(model, cfg)
+    model = model.to(device=strategy.model_device(device) if strategy else device, dtype=precision.param_dtype)
     log.info(f"model {models.model_name(model_cfg)}: {models.count_parameters(model):,} parameters, "
              f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
              + (f", precision {precision.name}" if precision.name != "32" else ""))

@@ -22,6 +22,7 @@ from torch import nn
 from accutrain import memory
 from accutrain.batches import Batch, as_batch
 from accutrain.build import Components, build
+from accutrain.checkpoint import rng_state, set_rng_state
 from accutrain.dist import World, count_devices, resolve_device
 from accutrain.norms import REMEDIES, batchnorm_layers, local_batchnorm
 from accutrain.pitfalls import dropout_layers
@@ -57,8 +58,8 @@ class Check:
         out += [f"  {name:<26} {diff:.2e}" for name, diff in self.groups.items()]
         out.append(f"  {'overall':<26} {self.overall:.2e}")
         if self.faithful:
-            out.append(f"verdict: faithful — the accumulated step is the big batch's step (within {self.tolerance:.0e} "
-                       f"at precision {self.precision})")
+            out.append(f"verdict: faithful — the accumulated step is the big batch's step (within "
+                       f"{self.tolerance:.0e} at precision {self.precision})")
         else:
             out.append(f"verdict: NOT faithful — the accumulated step differs from the big batch's by "
                        f"{self.overall:.1e} (tolerance {self.tolerance:.0e} at precision {self.precision})")
@@ -78,6 +79,7 @@ def components_for_check(cfg: DictConfig) -> Components:
         cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
         cfg.global_batch = None
     cfg.devices = devices  # the world is World(): devices only tells the check whom SyncBatchNorm would span
+    cfg.strategy = {"name": "ddp"}  # the accumulation's arithmetic, on the whole model: FSDP's is the same
     return build(cfg, World(), device)
 
 
@@ -147,7 +149,14 @@ def run_check(c: Components) -> Check:
     One process does it all, so SyncBatchNorm layers run as plain BatchNorm (no collective: the other ranks are
     not in it), each over every device's micro-batch of a micro-step, which is what SyncBatchNorm normalises
     over. TF32 is off inside (cuDNN convolutions default to it on CUDA): the two ways may pick different
-    algorithms, and TF32's rounding would swamp float32's tolerance."""
+    algorithms, and TF32's rounding would swamp float32's tolerance. A sharded run's check builds the whole model
+    again in this process."""
+    if c.strategy.lockstep:
+        rng = rng_state()  # building draws the seed's initial weights again
+        try:
+            return run_check(components_for_check(c.cfg))
+        finally:
+            set_rng_state(rng)
     with local_batchnorm(c.model), full_float32(), deterministic_algorithms(c.cfg.trainer.deterministic):
         return _compare(c)
 

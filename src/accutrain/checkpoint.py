@@ -3,6 +3,8 @@
 A checkpoint holds the model, optimizer, scheduler (and AMP scaler), where the run is (optimizer steps, epoch,
 next window of that epoch) and every RNG state (Python, NumPy, torch, CUDA; one set per rank). The sampler's
 state is (seed, epoch, window): the order of an epoch is a pure function of the seed and the epoch number.
+It is one file (`step-NNNNNNNN.pt`), or with strategy.checkpoint=sharded a directory (`step-NNNNNNNN/`: each
+rank's shards of the model, optimizer and EMA beside `state.pt`, the rest; accutrain.state_dicts writes it).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
@@ -23,8 +26,10 @@ from accutrain.files import fsync_dir, write_atomic
 
 log = logging.getLogger("accutrain")
 
-FORMAT = 1
-STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
+FORMAT = 2  # 2: the optimizer state keyed by parameter name; 1 (still read): numbered, as torch.optim numbers it
+READABLE = (1, 2)
+STEP_FILE = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded checkpoint's directory
+STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: everything but the shards, written by rank 0
 ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -34,8 +39,15 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
     write_atomic(path, lambda f: torch.save(state, f), durable=True)
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line."""
+def load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line. A sharded
+    checkpoint's directory gives its state.pt, marked `sharded` (the shards are read by the strategy). mmap: the
+    tensors are mapped from the file, read as they are used (every rank of a run can load it at little cost)."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
+            raise UserError(f"{path} is not a checkpoint: a sharded checkpoint is a directory holding .metadata and "
+                            f"{STATE_FILE}")
+        return load(path / STATE_FILE)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}")
     with open(path, "rb") as f:
@@ -45,7 +57,7 @@ def load(path: Path) -> dict[str, Any]:
                         "torch.save writes zip archives and this file is not one (expected a .pt file from a run's "
                         "checkpoints/)"))
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0]
         if any(mark in str(e) for mark in ("Unsupported global", "Unsupported class", "GLOBAL")):
@@ -55,13 +67,15 @@ def load(path: Path) -> dict[str, Any]:
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{path} is truncated or corrupt: {first[:160]}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
+    if (not isinstance(state, dict) or state.get("format") not in READABLE
+            or "model" not in state and not state.get("sharded")):
         raise UserError(f"{path} is not an accutrain checkpoint")
     return state
 
 
 class Rotation:
-    """The run directory's checkpoints/: step-NNNNNNNN.pt files (the newest `keep`) and last.pt, the newest."""
+    """The run directory's checkpoints/: step-NNNNNNNN.pt files (the newest `keep`) and last.pt, the newest; or
+    step-NNNNNNNN/ directories (sharded) and last, a link to the newest."""
 
     def __init__(self, directory: Path, keep: int) -> None:
         self.directory, self.keep = directory, keep
@@ -71,7 +85,7 @@ class Rotation:
         if not self.directory.is_dir():
             return []
         files = [p for p in self.directory.iterdir() if STEP_FILE.match(p.name)]
-        return sorted(files, key=lambda p: p.name, reverse=True)
+        return sorted(files, key=lambda p: int(STEP_FILE.match(p.name).group(1)), reverse=True)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         path = self.directory / f"step-{step:08d}.pt"
@@ -88,9 +102,24 @@ class Rotation:
         except BaseException:  # a full disk, an I/O error: no temporary file left behind; the step file is whole
             tmp.unlink(missing_ok=True)
             raise
-        for old in self.steps()[self.keep :]:
-            old.unlink(missing_ok=True)
+        self.prune()
         return path
+
+    def commit(self, path: Path) -> None:
+        """A sharded checkpoint's directory is whole: `last` links to it, the oldest beyond `keep` go."""
+        tmp = self.directory / ".last.tmp"
+        tmp.unlink(missing_ok=True)
+        os.symlink(path.name, tmp)
+        os.replace(tmp, self.directory / "last")
+        fsync_dir(self.directory)
+        self.prune()
+
+    def prune(self) -> None:
+        for old in self.steps()[self.keep :]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
 
     def save_best(self, state: dict[str, Any]) -> Path:
         """best.pt: the state at the best evaluation so far; never rotated away, never what resume=auto picks."""

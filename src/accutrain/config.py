@@ -38,6 +38,14 @@ class LastWindow(enum.Enum):
     drop = "drop"  # drop it
 
 
+class Sync(enum.Enum):
+    each = "each"  # strategy=fsdp: reduce-scatter every micro-batch's gradients; only the shards stay between
+    last = "last"  # … only the window's last one: one reduction per step; unsharded gradients stay between
+
+
+class CheckpointFormat(enum.Enum):
+    full = "full"  # rank 0 gathers everything into one file (torch.load(weights_only=True) reads it)
+    sharded = "sharded"  # one directory (PyTorch Distributed Checkpoint), each rank writes its own shard
 class ScheduleUnit(enum.Enum):
     samples = "samples"  # batch_schedule.at counts samples seen
     epochs = "epochs"  # … epochs (× the training set)
@@ -280,6 +288,26 @@ class AugmentConfig:
     mix_mode: MixMode = MixMode.window
 
 
+# --- strategy/ ----------------------------------------------------------------------------------------
+# How the ranks share the model; accutrain applies every key itself.
+@dataclass
+class StrategyConfig:
+    name: str = MISSING  # ddp | fsdp: chosen with strategy=ddp|fsdp, which brings that strategy's keys
+
+
+@dataclass
+class DDPStrategy(StrategyConfig):
+    name: str = "ddp"  # every rank holds the whole model, gradients and optimizer state
+
+
+@dataclass
+class FSDPStrategy(StrategyConfig):
+    name: str = "fsdp"  # PyTorch FSDP2: parameters, gradients and optimizer state sharded across the ranks
+    wrap: Optional[List[str]] = None  # class names of the modules sharded as units; null: the repeated blocks
+    sync: Sync = Sync.each  # each | last: reduce-scatter gradients every micro-batch, or on the window's last only
+    reshard_after_forward: bool = True  # free the gathered parameters after forward (gathered again in backward)
+    cpu_offload: bool = False  # weights, gradients and the optimizer step in host memory (CPUOffloadPolicy)
+    checkpoint: CheckpointFormat = CheckpointFormat.full  # full: one file by rank 0 | sharded: a DCP directory
 # --- logger/ -------------------------------------------------------------------------------------------
 # `logger` maps a name to a tracker (accutrain.trackers); every key but `_target_` is a keyword argument of it.
 @dataclass
@@ -374,6 +402,7 @@ class TrainConfig:
     optim: Any = MISSING
     sched: Any = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    strategy: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     logger: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -406,6 +435,8 @@ SCHEMAS = {
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,
     ("sched", "cosine_schema"): CosineSched,
+    ("strategy", "ddp_schema"): DDPStrategy,
+    ("strategy", "fsdp_schema"): FSDPStrategy,
     ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
     ("augment", "augment_schema"): AugmentConfig,
     ("logger", "csv_schema"): CSVTracker,
@@ -421,6 +452,7 @@ OWN_KEYS = {
     "data": ("_target_", "num_workers", "input_keys", "target_key"),
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
+    "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),
     "logger": ("_target_",),  # each logger.<name> is a tracker; its other keys are its keyword arguments
 }
 

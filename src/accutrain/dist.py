@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -117,6 +118,19 @@ def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:
 def all_reduce_min(values: torch.Tensor, world: World) -> torch.Tensor:
     if world.size > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return values
+
+
+def is_sharded(value: Any) -> bool:
+    """A DTensor (strategy=fsdp's parameters, gradients and their norm), told without importing DTensor (slow to
+    import) unless FSDP already has."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def all_reduce_max(values: torch.Tensor, world: World) -> torch.Tensor:
+    if world.size > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values
 
 

@@ -6,6 +6,8 @@ micro-batch, never on a skipped step), evaluated beside the raw weights and kept
 As timm's ModelEmaV3 does, floating-point buffers (BatchNorm's running statistics) are averaged too and integer
 ones (num_batches_tracked) copied. The average is float32 when the weights are half precision (a bf16 average
 would round every small update away), and lives beside the weights or in CPU memory (`trainer.ema_device=cpu`).
+Under strategy=fsdp the weights are sharded and so is the average: each rank averages its own shards, with no
+communication and 1/devices of the memory (a full checkpoint gathers it, a sharded one writes the shards).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+
+from accutrain.dist import is_sharded
 
 
 class EMA:
@@ -42,21 +46,30 @@ class EMA:
     @contextmanager
     def swapped_in(self, model: nn.Module) -> Iterator[None]:
         """The model holds the averaged weights inside the block (for evaluation), its own ones again after."""
-        own = {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
+        own = {key: _set_aside(value) for key, value in model.state_dict().items()}
         model.load_state_dict(self.weights)
         try:
             yield
         finally:
             model.load_state_dict(own)
 
-    def state_dict(self) -> dict[str, Any]:
-        return dict(decay=self.decay, updates=self.updates,
-                    weights={key: value.detach().cpu() for key, value in self.weights.items()})
+    def state_dict(self, weights: bool = True) -> dict[str, Any]:
+        """The decay, the count of updates and (unless weights=False) the averaged weights, in CPU memory."""
+        state = dict(decay=self.decay, updates=self.updates)
+        if weights:
+            state["weights"] = {key: value.detach().cpu() for key, value in self.weights.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.updates = state["updates"]
         for key, value in state["weights"].items():
             self.weights[key].copy_(value)
+
+
+def _set_aside(value: torch.Tensor) -> torch.Tensor:
+    """A copy of a weight while the average is swapped in: in CPU memory, or where it is for a shard (strategy=fsdp:
+    1/devices of the weights, whose device mesh a move would break)."""
+    return value.detach().clone() if is_sharded(value) else value.detach().to("cpu", copy=True)
 
 
 def _average_dtype(value: torch.Tensor) -> torch.dtype:

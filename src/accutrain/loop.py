@@ -120,9 +120,10 @@ def accumulate_window(c: Components, p: Progress, window: Window, batches: Itera
 
     while True:
         try:
-            return accumulate(c.wrapped, micro_batches(), terms, c.device, world=c.world.size, no_sync=c.no_sync,
-                              precision=c.precision, loss=c.loss)
+            return accumulate(c.wrapped, micro_batches(), terms, c.device, world=c.world.size,
+                              no_sync=c.strategy.no_sync, precision=c.precision, loss=c.loss)
         except Exception as e:
+            c.strategy.explain(e)  # a known limitation of the strategy, as one line
             cut_after_oom(c, p, window, e)
 
 
@@ -132,9 +133,10 @@ def cut_after_oom(c: Components, p: Progress, window: Window, error: Exception) 
     if not memory.is_oom(error):
         raise error
     largest = max(-(-n // p.oom_parts) for n in window.sizes)
-    if largest <= 1 or c.world.size > 1:
+    if largest <= 1 or c.world.size > 1 or c.strategy.lockstep:
         raise UserError(f"out of memory with micro-batches of {largest}" + (
             " on one of several devices: set micro_batch lower (or micro_batch=auto)" if c.world.size > 1 else
+            " under strategy=fsdp: set micro_batch lower" if c.strategy.lockstep else
             ": even one sample does not fit (try trainer.activation_checkpointing=true or bf16-mixed precision)"))
     c.optimizer.zero_grad(set_to_none=True)
     if c.buffers:

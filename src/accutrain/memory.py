@@ -115,7 +115,7 @@ def _segmented_forward(model: nn.Sequential, segments: list[list[nn.Module]], x:
     return x
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The outermost repeated blocks of a network: modules with parameters and children, held in an nn.Sequential
     or nn.ModuleList (ResNet's BasicBlocks, MobileNet's InvertedResiduals, ViT's encoder layers, …)."""
     names = {}
@@ -134,7 +134,7 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
     """Recompute activations in backward instead of keeping them: for each block of the network, or for
     segments of about √n layers of a plain nn.Sequential (accutrain's mlp and cnn). Returns how many were
     wrapped (0: nothing to wrap). Parameter names, hence checkpoints, are unchanged."""
-    blocks = _blocks(model)
+    blocks = repeated_blocks(model)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward, block)
     if blocks or not isinstance(model, nn.Sequential) or len(model) < 2:

@@ -120,7 +120,8 @@ def write_csv(rows: list[RunRow], path: Path) -> None:
                           micro_batch=r.micro_batch, accum=r.accum, devices=r.devices, steps=r.steps,
                           final_loss=r.final_loss, best_val_loss=r.best_val_loss, best_val_acc=r.best_val_acc,
                           best_val_loss_ema=r.best_val_loss_ema, best_val_acc_ema=r.best_val_acc_ema,
-                          monitor=r.monitor, best=r.best, best_step=r.best_step, samples_per_s=r.samples_per_s, peak_mem_mb=r.peak_mem_mb, wall_s=r.wall_s,
+                          monitor=r.monitor, best=r.best, best_step=r.best_step, samples_per_s=r.samples_per_s,
+                          peak_mem_mb=r.peak_mem_mb, wall_s=r.wall_s,
                           status=r.status, error=r.error)
             writer.writerow({k: "" if v is None else v for k, v in values.items()})
 

@@ -20,20 +20,21 @@ from accutrain.seeding import derived_seed
 log = logging.getLogger("accutrain")
 
 
-def checkpoint_state(c: Components, p: Progress) -> dict[str, Any]:
-    """The whole training state, gathered on every rank (the RNG states come from all of them)."""
+def checkpoint_state(c: Components, p: Progress) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """The whole training state, gathered on every rank (the RNG states come from all of them): (what rank 0
+    writes, each rank's shards of the model, optimizer and EMA — None unless strategy.checkpoint=sharded)."""
     rng = checkpoint.rng_state()
     rngs = [rng]
     if c.world.size > 1:
         rngs = [None] * c.world.size
         torch.distributed.all_gather_object(rngs, rng)
+    tensors, shards = c.strategy.state(c.model, c.optimizer, c.ema)  # model, optimizer, ema (or their shards)
     return dict(
-        format=checkpoint.FORMAT,
-        model=c.model.state_dict(), optimizer=c.optimizer.state_dict(), scheduler=c.scheduler.state_dict(),
+        format=checkpoint.FORMAT, **tensors, scheduler=c.scheduler.state_dict(),
         scaler=c.precision.scaler.state_dict() if c.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=c.plan.record(), config=OmegaConf.to_container(c.cfg, resolve=True, enum_to_str=True),
-        step=p.step, epoch=p.epoch, ema=c.ema.state_dict() if c.ema is not None else None, monitor=c.monitor.metric,
-    )
+        step=p.step, epoch=p.epoch, monitor=c.monitor.metric,
+    ), shards
 
 
 def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
@@ -44,6 +45,8 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
         where = run_dir / "checkpoints"
     else:
         where = Path(cfg.resume).expanduser()
+        if (where / ".metadata").is_file():  # a sharded checkpoint's directory
+            return where
         if where.is_dir():
             where = where / "checkpoints" if (where / "checkpoints").is_dir() else where
         elif not where.exists():
@@ -61,7 +64,7 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
 
 def restore(c: Components, path: Path) -> Progress:
     """Load a checkpoint into the run; refuse one from another model or another effective batch."""
-    state = checkpoint.load(path)
+    state = checkpoint.load(path, mmap=True)  # every rank maps the file; FSDP takes each rank's shard from it
     saved = state["plan"]
     schedule = c.plan.schedule.record() if c.plan.schedule else None
     if saved.get("schedule") != schedule:
@@ -76,21 +79,24 @@ def restore(c: Components, path: Path) -> Progress:
         raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {c.plan.train_size}: "
                         "resuming needs the same training set")
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, c.cfg)
-    try:
-        c.model.load_state_dict(state["model"])
+    try:  # the model, optimizer and EMA (from a sharded checkpoint's shards too)
+        c.strategy.load(c.model, c.optimizer, c.ema, state, path)
     except RuntimeError as e:
         raise UserError(f"{path} was written for another model: {str(e).strip().splitlines()[-1].strip()[:200]}"
                         ) from None
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"{path}: its optimizer state does not fit this run's optimizer ({c.cfg.optim._target_}): "
+                        f"{type(e).__name__}: {e}") from None
     try:
-        c.optimizer.load_state_dict(state["optimizer"])
         c.scheduler.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise UserError(f"{path}: its optimizer or scheduler state does not fit this run's optimizer "
-                        f"({c.cfg.optim._target_}, {c.cfg.sched._target_}): {type(e).__name__}: {e}") from None
+        raise UserError(f"{path}: its scheduler state does not fit this run's scheduler ({c.cfg.sched._target_}): "
+                        f"{type(e).__name__}: {e}") from None
     if c.precision.scaler and state.get("scaler"):
         c.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
-    restore_ema(c, state, path)
+    if c.ema is not None and state.get("ema") is None:
+        log.info(f"{path} holds no average of the weights (trainer.ema was off): it starts at the resumed weights")
     if state.get("monitor", "val_acc") != c.monitor.metric:  # the best so far was of another metric
         log.info(f"the checkpoint's run monitored {state.get('monitor', 'val_acc')}, this one {c.monitor.metric}: "
                  "its best value and early-stopping patience start anew")
@@ -132,10 +138,3 @@ def keep_metrics_until(path: Path, step: int) -> None:
         kept = [line for line, record in read_jsonl(path) if record.get("step", 0) <= step]
         path.write_text("".join(line + "\n" for line in kept))
 
-
-def restore_ema(c: Components, state: dict[str, Any], path: Path) -> None:
-    """The average of the weights from the checkpoint; a checkpoint without one starts it at the resumed weights."""
-    if c.ema is not None and state.get("ema") is not None:
-        c.ema.load_state_dict(state["ema"])
-    elif c.ema is not None:
-        log.info(f"{path} holds no average of the weights (trainer.ema was off): it starts at the resumed weights")

@@ -20,6 +20,7 @@ from accutrain.progress import Progress
 from accutrain.resume import checkpoint_state, find_resume, keep_metrics_until, restore
 from accutrain.run_status import add_to_status
 from accutrain.signals import StopRequest, signal_numbers
+from accutrain.state_dicts import write_sharded
 from accutrain.trackers import Trackers
 
 log = logging.getLogger("accutrain")
@@ -77,6 +78,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
                         out.peak_mb)
         say_how_it_ended(c, out, run_dir)
+    c.strategy.close()
+    if world.main:
         save.raise_if_the_last_failed()
     return out
 
@@ -108,25 +111,36 @@ class Checkpoints:
         return "no checkpoint was written before it (trainer.checkpoint_every=N writes one every N optimizer steps)"
 
     def __call__(self, p: Progress, best: bool = False) -> Optional[Path]:
-        """The next step-*.pt of the rotation, or (best) best.pt, the state at the best evaluation so far."""
+        """The next step-*.pt of the rotation, or (best) best.pt, the state at the best evaluation so far; with
+        strategy.checkpoint=sharded a directory (step-*/, best/) each rank writes its shards into. Refused when the
+        weights are not finite."""
         c = self.c
         self.trackers.flush()  # a resume from this checkpoint finds in the trackers every step up to it
-        state = checkpoint_state(c, p)
+        state, shards = checkpoint_state(c, p)
+        if not finite_weights(c, state, shards):
+            newest = self.rotation.steps()
+            raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
+                            f"(the last good one is {newest[0] if newest else 'none'})")
         path = None
-        if c.world.main:
-            if not all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point()):
-                newest = self.rotation.steps()
-                raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
-                                f"(the last good one is {newest[0] if newest else 'none'})")
+        if shards is not None:  # every rank writes; a failure here is PyTorch's, raised on every rank
+            path = write_sharded(self.rotation.directory / ("best" if best else f"step-{p.step:08d}"), shards,
+                                 state, c.world)
+            if c.world.main and not best:
+                self.rotation.commit(path)
+        elif c.world.main:
             try:
                 path = self.rotation.save_best(state) if best else self.rotation.save(state, p.step)
-                self.failure = None
+                if not best:
+                    self.failure = None
             except OSError as e:
                 newest = self.rotation.steps()
-                self.failure = (f"could not write the checkpoint of optimizer step {p.step} into "
-                                f"{self.rotation.directory} ({e.strerror or e}); the newest on disk is "
-                                f"{newest[0].name if newest else 'none'}")
-                log.error(f"{self.failure}: training goes on, the next checkpoint tries again")
+                failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} "
+                           f"into {self.rotation.directory} ({e.strerror or e}); the newest on disk is "
+                           f"{newest[0].name if newest else 'none'}")
+                log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
+                          "tries again")
+                if not best:  # a best.pt that could not be written leaves the run's last steps saved
+                    self.failure = failure
         dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
         return path
 
@@ -151,6 +165,17 @@ def warn_if_disk_is_short(c: Components, rotation: checkpoint.Rotation) -> None:
                     "(weights and optimizer state): a checkpoint that cannot be written is reported and retried")
 
 
+def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
+    """Whether the weights about to be saved are finite: rank 0's whole ones (True elsewhere), or every rank's shards
+    (then every rank gets the answer)."""
+    if shards is None:
+        return not c.world.main or all(torch.isfinite(t).all() for t in state["model"].values()
+                                       if t.is_floating_point())
+    local = all(torch.isfinite(t.to_local() if dist.is_sharded(t) else t).all()
+                for t in shards["model"].values() if t.is_floating_point())
+    return bool(dist.all_reduce_min(torch.tensor(float(local)), c.world).item())
+
+
 def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     p, monitor = out.progress, c.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
@@ -158,7 +183,8 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
-                                         checkpoint=str(run_dir / "checkpoints" / "best.pt")))
+                                         checkpoint=str(run_dir / "checkpoints" / (
+                                             "best" if c.strategy.sharded_checkpoints else "best.pt"))))
     if out.early_stop:
         log.info(f"early stopping after optimizer step {p.step} of {c.plan.total_steps}: {monitor.metric} has not "
                  f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "

@@ -23,6 +23,7 @@ from torch import nn
 
 from accutrain.batches import Batch, as_batch, stand_in_guard
 from accutrain.config import Normalize
+from accutrain.dist import is_sharded
 from accutrain.precision import Precision, make_precision
 
 FP32 = make_precision("32", torch.device("cpu"))
@@ -147,10 +148,13 @@ def cut_micro_batches(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], p
 
 
 def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """The global L2 norm of the window's gradients, measured before clipping them to max_norm (if set)."""
+    """The global L2 norm of the window's gradients, measured before clipping them to max_norm (if set). Of sharded
+    gradients (strategy=fsdp) too: it is then a collective, which every rank calls."""
     if max_norm is not None:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
+    return norm.full_tensor() if is_sharded(norm) else norm  # FSDP's: replicated, the same on every rank
 
 
 @torch.no_grad()

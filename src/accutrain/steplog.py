@@ -44,8 +44,8 @@ class StepLog:
                           ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
         if c.precision.scaler:
             record["amp_scale"] = c.precision.scaler.get_scale()
-        if c.comm is not None:
-            record["grad_syncs"], record["comm_bytes"] = c.comm.take()
+        if c.strategy.comm is not None:
+            record["grad_syncs"], record["comm_bytes"] = c.strategy.comm.take()
         if skipped:
             record["skipped"] = skipped
             log.warning(f"step {p.step}: " + (

@@ -102,6 +102,7 @@ def validate(cfg: DictConfig) -> None:
         if name not in signal.Signals.__members__ or name in UNCATCHABLE:
             raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
                             "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
+    validate_strategy(cfg)
 
 
 def augment_and_loss(cfg: DictConfig) -> None:
@@ -134,3 +135,32 @@ def augment_and_loss(cfg: DictConfig) -> None:
     if not 0 <= cfg.loss.label_smoothing < 1:
         raise UserError(f"loss.label_smoothing={cfg.loss.label_smoothing} is not valid: expected 0 <= ε < 1 "
                         "(e.g. 0.1)")
+
+
+def validate_strategy(cfg: DictConfig) -> None:
+    """strategy=: its name is the option's, and FSDP is refused with what it cannot combine with, key by key."""
+    s, t = cfg.strategy, cfg.trainer
+    if s.name not in ("ddp", "fsdp") or (s.name == "fsdp") != ("sync" in s):
+        raise UserError(f"strategy.name={s.name} is not valid: choose the strategy with strategy=ddp or strategy=fsdp "
+                        "(which brings its keys)")
+    if s.name != "fsdp":
+        return
+    refused = [
+        (cfg.micro_batch == "auto", "micro_batch=auto", "a trial step that runs out of memory on one rank would "
+         "leave the others waiting in FSDP's collectives; give micro_batch=N"),
+        (t.offload_grads, "trainer.offload_grads=true", "use strategy.cpu_offload=true, which keeps the sharded "
+         "weights, gradients and optimizer state in host memory"),
+        (t.accum_dtype is not None, f"trainer.accum_dtype={t.accum_dtype}", "with trainer.precision=bf16-mixed FSDP "
+         "already reduces and accumulates gradients in float32"),
+        (str(t.precision) == "16-mixed", "trainer.precision=16-mixed", "float16 with a GradScaler is not verified "
+         "with FSDP; use bf16-mixed"),
+        (cfg.model.get("sync_batchnorm", False), "model.sync_batchnorm=true", "use model.norm=group or "
+         "model.norm=frozen"),
+        (t.ema_device is not None, f"trainer.ema_device={t.ema_device}", "the average is sharded like the weights "
+         "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
+        (t.get("export") is not None, f"trainer.export={t.get('export')}", "save_pretrained needs the whole model in "
+         "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
+    ]
+    for bad, key, remedy in refused:
+        if bad:
+            raise UserError(f"strategy=fsdp cannot be combined with {key}: {remedy}")

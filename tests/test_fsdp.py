@@ -1,0 +1,228 @@
+"""strategy=fsdp (PyTorch FSDP2) on the CPU with gloo: the step is the big batch's, for sync=each and sync=last;
+reductions counted per step; killed runs resume bit-identical from full and from sharded checkpoints, also into
+another device count; what cannot combine is refused in one line."""
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from accutrain.config import Sync
+from accutrain.dist import World
+from accutrain.errors import UserError
+from accutrain.report import write_report
+from accutrain.state_dicts import by_index, by_name
+from accutrain.validate import validate
+from conftest import TINY, assert_one_line_user_error, assert_same_weights, read_metrics, train_here, train_run
+from test_resume import assert_identical, start, wait_for_steps
+
+# Linear(64, 33) shards unevenly over 2 ranks (17 + 16 rows); no dropout or BatchNorm, so the step is exact; the
+# delay (numerics untouched) lets a kill land mid-run.
+NET = """
+import time
+import torch.nn as nn
+
+class Net(nn.Sequential):
+    def __init__(self, num_classes, in_channels, image_size, delay=0.0):
+        super().__init__(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 33), nn.ReLU(),
+                         nn.Linear(33, num_classes))
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay)
+        return super().forward(x)
+"""
+# 117 samples = 3 windows of 32 + one of 21: with devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0, so in the last
+# micro-step rank 1 has an empty micro-batch (and still takes part in FSDP's all-gathers and reduce-scatters).
+RUN = ["debug=fast", "model=custom", "model._target_=fsdpnet.Net", "data.size=117", "trainer.epochs=3",
+       "micro_batch=8", "optim=adamw", "trainer.grad_clip=0.5", "trainer.ema=0.9", "trainer.checkpoint_every=1",
+       "trainer.keep_checkpoints=20"]
+FSDP = ["strategy=fsdp", "strategy.wrap=[Linear]", "devices=2", "accum=2"]
+PADDED_GRADIENT_BYTES = 4 * (34 * 64 + 34 + 10 * 33 + 10)  # both units' gradients, rows padded to a multiple of 2
+
+
+@pytest.fixture
+def net(tmp_path, monkeypatch):
+    (tmp_path / "fsdpnet.py").write_text(NET)
+    monkeypatch.syspath_prepend(tmp_path)
+    return tmp_path
+
+
+def saved(run_dir: Path, name: str = "last") -> dict:
+    """A checkpoint's model, optimizer and EMA as whole tensors, from a file or a sharded (DCP) directory."""
+    path = run_dir / "checkpoints" / name
+    if path.is_dir():  # PyTorch's own converter, no process group needed
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(path, run_dir / f"{name}-whole.pt")
+        return torch.load(run_dir / f"{name}-whole.pt", weights_only=True)
+    return torch.load(path.with_suffix(".pt"), weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync, fmt", [("each", "full"), ("last", "sharded")])
+def test_fsdp_is_the_big_batch_and_resumes_bit_identical_after_sigkill(net, sync, fmt):
+    args = [*RUN, *FSDP, f"strategy.sync={sync}", f"strategy.checkpoint={fmt}"]
+    fsdp, proc = train_run(net, "fsdp", *args, "trainer.check=true")  # the CLI: rank 0's log is its stderr
+    log = proc.stderr
+    one, _ = train_here(net, "one", *RUN, "accum=4")
+    big, _ = train_here(net, "big", *RUN, "micro_batch=32")
+    ours, reference = saved(fsdp), saved(big)
+    assert_same_weights(ours["model"], reference["model"])
+    assert_same_weights(ours["ema"]["weights"], reference["ema"]["weights"])  # the sharded average, gathered
+    assert_same_weights(saved(one)["model"], reference["model"])
+    steps, big_steps = read_metrics(fsdp)[0], read_metrics(big)[0]
+    assert [r["samples"] for r in steps] == [32, 32, 32, 21] * 3
+    for key in ("loss", "grad_norm"):  # the window's mean loss; the global norm of the sharded gradients
+        assert [r[key] for r in steps] == pytest.approx([r[key] for r in big_steps], rel=1e-5)
+    assert read_metrics(fsdp)[1][-1]["val_acc_ema"] == read_metrics(big)[1][-1]["val_acc_ema"]
+    # Reduce-scatters per optimizer step, as FSDP's all-reduce hook saw them on every unit with parameters:
+    # each: one per micro-batch (2 per rank per window, the empty one included); last: one per window.
+    syncs = 2 if sync == "each" else 1
+    assert [(r["grad_syncs"], r["comm_bytes"]) for r in steps] == [(syncs, syncs * PADDED_GRADIENT_BYTES)] * 12
+    assert f"strategy.sync={sync}: gradients are reduce-scattered" in log
+    assert "in 3 units (2 × Linear and the root, 2 of them holding parameters)" in log
+    assert "check: verdict: faithful" in log  # trainer.check runs on a whole copy of the model
+    assert "8 × 2 × 2" in write_report(fsdp).text  # accutrain-report reads an FSDP run as any other
+    if fmt == "sharded":
+        last = fsdp / "checkpoints" / "last"
+        assert last.is_symlink() and {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"} <= {
+            p.name for p in last.iterdir()}
+        assert (fsdp / "checkpoints" / "best").is_dir()
+
+    # SIGKILL at a random optimizer step, then resume=auto: bit-identical to the uninterrupted run.
+    kill_after = random.Random().randint(2, 10)
+    proc = start(net, "killed", *args, "+model.delay=0.02")
+    wait_for_steps(net / "killed", kill_after, proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    resumed, _ = train_here(net, "killed", *args, "resume=auto")
+    assert [r["step"] for r in read_metrics(resumed)[0]] == list(range(1, 13))  # resumed, not restarted
+    again = saved(resumed)
+    assert_identical(again["model"], ours["model"])
+    assert_identical(again["ema"]["weights"], ours["ema"]["weights"])
+    assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in steps]
+
+    # Into another device count and strategy: 2 ranks → one process, plain (from the sharded directory) or FSDP.
+    other = ["accum=4"] + (["strategy=fsdp"] if fmt == "full" else [])
+    step10 = fsdp / "checkpoints" / ("step-00000010" if fmt == "sharded" else "step-00000010.pt")
+    moved, log = train_here(net, "moved", *RUN, *other, f"resume={step10}")
+    assert "resumed from" in log and "(the checkpoint's run used 8 × 2 × 2)" in log
+    assert_same_weights(saved(moved)["model"], reference["model"])
+    assert_same_weights(saved(moved)["ema"]["weights"], reference["ema"]["weights"])
+
+
+def test_accutrain_check_takes_the_fsdp_overrides(compose):
+    from accutrain.check import components_for_check, run_check
+
+    result = run_check(components_for_check(compose(*TINY, "data.size=40", "strategy=fsdp", "devices=2",
+                                                    "micro_batch=4", "accum=2", "strategy.sync=last")))
+    assert result.faithful and result.micro_batches == 4  # every device's micro-batches, in one process
+
+
+def test_one_device_with_cpu_offload_says_it_does_nothing_here_and_trains_the_same(tmp_path):
+    args = [*TINY, "data.size=40", "micro_batch=8", "accum=2", "trainer.max_steps=3", "optim=adamw"]
+    plain, _ = train_here(tmp_path, "plain", *args)
+    offload, log = train_here(tmp_path, "offload", *args, "strategy=fsdp", "strategy.cpu_offload=true")
+    assert "strategy.cpu_offload=true does nothing on the CPU" in log
+    assert "sharded over 1 rank(s) as one unit" in log
+    assert_same_weights(saved(offload)["model"], saved(plain)["model"])
+    assert not torch.distributed.is_initialized()  # the process group of one it made is gone
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("devices", [1, 2])
+def test_on_gpus_with_cpu_offload_fsdp_trains_as_one_plain_gpu(tmp_path, devices):
+    if torch.cuda.device_count() < devices:
+        pytest.skip(f"needs {devices} GPUs")
+    args = [*TINY, "data.size=117", "micro_batch=8", "trainer.max_steps=6", "optim=adamw", "trainer.grad_clip=0.5",
+            "trainer.ema=0.9", "trainer.device=cuda", "model.norm=group"]
+    plain, _ = train_here(tmp_path, "plain", *args, "accum=4")
+    sharded, log = train_here(tmp_path, "sharded", *args, f"accum={4 // devices}", f"devices={devices}",
+                              "strategy=fsdp", "strategy.wrap=[Linear]", "strategy.cpu_offload=true",
+                              "strategy.sync=last", "strategy.checkpoint=sharded")
+    ours, reference = saved(sharded), saved(plain)
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(ours["model"][key], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours["ema"]["weights"][key], reference["ema"]["weights"][key], rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_a_checkpoint_from_before_optimizer_state_names_resumes_under_fsdp(tmp_path):
+    """Format 1 numbered the optimizer's parameters (torch.optim's own state_dict); FSDP loads only names, and
+    would load nothing from numbers, silently: the numbers are turned into names first."""
+    args = [*TINY, "data.size=48", "micro_batch=8", "trainer.max_steps=4", "optim=adamw"]
+    run_dir, _ = train_here(tmp_path, "run", *args, "trainer.checkpoint_every=2")
+    reference = saved(run_dir)
+    old = torch.load(run_dir / "checkpoints" / "step-00000002.pt", weights_only=True)
+    names = list(old["optimizer"]["state"])
+    assert names and all(isinstance(n, str) for n in names)  # format 2: keyed by name
+    numbered = by_index(old["optimizer"], [n for g in old["optimizer"]["param_groups"] for n in g["params"]])
+    assert by_name(numbered, [n for g in old["optimizer"]["param_groups"] for n in g["params"]]) == old["optimizer"]
+    torch.save({**old, "format": 1, "optimizer": numbered}, tmp_path / "old.pt")
+    resumed, log = train_here(tmp_path, "resumed", *args, "strategy=fsdp", f"resume={tmp_path / 'old.pt'}")
+    assert "resumed from" in log
+    assert_same_weights(saved(resumed)["model"], reference["model"])  # AdamW's moments came through
+    for name, state in reference["optimizer"]["state"].items():
+        torch.testing.assert_close(saved(resumed)["optimizer"]["state"][name]["exp_avg"], state["exp_avg"])
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("micro_batch=auto", "micro_batch=auto"),
+    ("trainer.offload_grads=true", "trainer.offload_grads=true: use strategy.cpu_offload=true"),
+    ("trainer.accum_dtype=float32", "trainer.accum_dtype=float32"),
+    ("trainer.precision=16-mixed", "trainer.precision=16-mixed"),
+    ("model.sync_batchnorm=true", "model.sync_batchnorm=true"),
+    ("trainer.ema_device=cpu", "trainer.ema_device=cpu"),
+])
+def test_what_fsdp_cannot_combine_with_is_one_line(compose, override, fragment):
+    extra = ["global_batch=32"] if override == "micro_batch=auto" else []
+    with pytest.raises(UserError) as info:
+        validate(compose(*TINY, "strategy=fsdp", override, *extra))
+    assert_one_line_user_error(info.value, "strategy=fsdp cannot be combined with", fragment)
+
+
+def test_fsdp_keys_belong_to_strategy_fsdp(compose):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as info:
+        compose(*TINY, "strategy.sync=last")  # strategy=ddp has no such key
+    assert "sync" in str(info.value) + str(info.value.__cause__)
+    assert compose(*TINY, "strategy=fsdp", "strategy.sync=last").strategy.sync is Sync.last
+    with pytest.raises(UserError) as info:
+        validate(compose(*TINY, "strategy.name=fsdp"))
+    assert_one_line_user_error(info.value, "strategy.name=fsdp is not valid", "strategy=fsdp")
+
+
+def test_batchnorm_in_training_and_unknown_wrap_classes_are_refused(compose):
+    from accutrain.fsdp import FSDP, units_to_shard
+    from accutrain.precision import make_precision
+
+    cfg = compose("model=resnet18", "strategy=fsdp")
+    strategy = FSDP(cfg.strategy, World(0, 2), torch.device("cpu"), make_precision("32", torch.device("cpu")))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    with pytest.raises(UserError) as info:
+        strategy.check_model(model, cfg)
+    assert_one_line_user_error(info.value, "strategy=fsdp with model.norm=keep", "model.norm=group")
+    model.eval()
+    strategy.check_model(model, cfg)  # frozen statistics are the same on every rank
+    with pytest.raises(UserError) as info:
+        units_to_shard(model, ["Block"])
+    assert_one_line_user_error(info.value, "strategy.wrap=['Block']: this model has no Block", "BatchNorm2d, Conv2d")
+    assert units_to_shard(model, ["torch.nn.modules.conv.Conv2d"]) == [model[0]]
+
+
+def test_pytorch_196996_is_one_line_naming_the_keys(compose):
+    from accutrain.fsdp import FSDP
+    from accutrain.precision import make_precision
+
+    cfg = compose(*TINY, "strategy=fsdp", "strategy.sync=last")
+    strategy = FSDP(cfg.strategy, World(), torch.device("cpu"), make_precision("bf16-mixed", torch.device("cpu")))
+    with pytest.raises(UserError) as info:
+        strategy.explain(AssertionError("FSDP reduce-scatter expects uniform gradient dtype but got {bf16, fp32}"))
+    assert_one_line_user_error(info.value, "strategy.sync=last with trainer.precision=bf16-mixed",
+                               "use strategy.sync=each")
+    strategy.explain(RuntimeError("anything else"))  # not ours to explain: raised as it is
