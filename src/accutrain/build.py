@@ -14,12 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from accutrain import compiled, data, dist, lr_scaling, memory, models, norms, pitfalls
+from accutrain import compiled, data, dist, lr_scaling, memory, models, norms, pitfalls, views
 from accutrain.auto_batch import auto_micro_batch
 from accutrain.batches import BatchFormat, batch_format
 from accutrain.dist import World
 from accutrain.ema import EMA, make_ema
 from accutrain.errors import UserError
+from accutrain.mixing import make_mixer
 from accutrain.monitor import Monitor
 from accutrain.plan import BatchPlan, make_plan
 from accutrain.precision import Precision, make_precision
@@ -64,12 +65,15 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     data_kwargs = {**accepted(make_data, dict(seed=cfg.seed)), **data_kwargs}  # the run's seed, unless given
     with main_first(world), torch.random.fork_rng(devices=[]):
         datasets: data.Datasets = make_data(**data_kwargs)
+    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
     precision = make_precision(trainer.precision, device)
     batches = batch_format(cfg.data, datasets.collate)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
-    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index, cfg.loss.shift_labels, model)
+    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index, cfg.loss.shift_labels, model,
+                     cfg.loss.label_smoothing)
+    mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
     if loss.shift_labels and batches([datasets.train[0]]).target.dim() < 2:
         raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
                         "target per sample")
@@ -112,7 +116,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         log.info(line)
 
     pin = device.type == "cuda"
-    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size)
+    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer)  # MixUp/CutMix drawn per window
     # The loader draws its workers' seeds from its own generator, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward

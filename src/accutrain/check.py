@@ -99,7 +99,7 @@ def window_batches(c: Components, devices: int = 1) -> tuple[list[Batch], Batch]
     micro_batches = next(sampler.windows())
 
     def fetch(parts: list[MicroBatch]) -> Batch:
-        return c.loader.dataset.__getitems__(MicroBatch([i for part in parts for i in part], parts[0].window))[1]
+        return c.loader.dataset.__getitems__(MicroBatch.join(parts))[1]
 
     return ([fetch(micro_batches[k : k + devices]) for k in range(0, len(micro_batches), devices)],
             fetch(micro_batches))
@@ -168,7 +168,7 @@ def _compare(c: Components) -> Check:
     accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
 
     big = [whole]
-    per_element = whole.target.dim() > 1
+    per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
     reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
     reference, where = None, str(device)
     try:

@@ -250,6 +250,42 @@ class LossConfig:
     normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
     shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
+    label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class
+
+
+# --- augment/ ------------------------------------------------------------------------------------------
+class Crop(enum.Enum):
+    none = "none"  # the fixed view's geometry
+    pad = "pad"  # pad `padding` pixels, then a random crop back to the image size (CIFAR)
+    resized = "resized"  # RandomResizedCrop(image size, scale, ratio) (ImageNet)
+    auto = "auto"  # resized for data=imagefolder (photos of any size), pad otherwise
+
+
+class MixMode(enum.Enum):
+    window = "window"  # one draw per window: mix or not, MixUp or CutMix, λ (and CutMix's box)
+    sample = "sample"  # one draw per sample
+
+
+@dataclass
+class AugmentConfig:
+    """The training view of each image (torchvision transforms.v2), drawn per sample from (seed, epoch, sample), and
+    MixUp/CutMix, drawn per window from (seed, epoch, window). Evaluation is never augmented."""
+
+    crop: Crop = Crop.none
+    padding: int = 4  # crop=pad
+    scale: List[float] = field(default_factory=lambda: [0.08, 1.0])  # crop=resized: the crop's area, of the image's
+    ratio: List[float] = field(default_factory=lambda: [0.75, 4 / 3])  # crop=resized: its aspect ratio
+    flip: bool = False  # random horizontal flip (p=0.5)
+    policy: Optional[str] = None  # trivialaugment | randaugment | null
+    num_ops: int = 2  # policy=randaugment
+    magnitude: int = 9  # policy=randaugment
+    random_erasing: float = 0.0  # the probability of erasing a random rectangle (after normalisation)
+    eval_crop_ratio: float = 1.0  # evaluation: resize to image_size / this, centre-crop image_size
+    mixup_alpha: float = 0.0  # MixUp's Beta(α, α); 0: off
+    cutmix_alpha: float = 0.0  # CutMix's Beta(α, α); 0: off
+    mix_prob: float = 1.0  # the probability that a window (mix_mode=window) or a sample is mixed
+    switch_prob: float = 0.5  # with both on: the probability of CutMix rather than MixUp
+    mix_mode: MixMode = MixMode.window
 
 
 # --- strategy/ ----------------------------------------------------------------------------------------
@@ -369,6 +405,7 @@ class TrainConfig:
     data: Any = MISSING
     optim: Any = MISSING
     sched: Any = MISSING
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
     logger: Dict[str, Any] = field(default_factory=dict)
@@ -405,6 +442,7 @@ SCHEMAS = {
     ("strategy", "ddp_schema"): DDPStrategy,
     ("strategy", "fsdp_schema"): FSDPStrategy,
     ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
+    ("augment", "augment_schema"): AugmentConfig,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from accutrain.config import Crop
 from accutrain.errors import UserError
 from accutrain.seeding import generator
+from accutrain.views import ImageSource, Views, fixed_view
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Datasets:
     collate: Optional[Callable[[list], Any]] = None  # items → one micro-batch; None: torch's default_collate
     tokenizer: Any = None  # saved beside an exported model (trainer.export=hf)
     classes: str = "classes"  # what num_classes counts, for the log ("tokens in the vocabulary")
+    images: Optional[ImageSource] = None  # image data: what augment= makes its views from (accutrain.views)
 
 
 class InMemory(Dataset):
@@ -57,6 +60,8 @@ def digits() -> Datasets:
         labels = torch.from_numpy(npz["labels"].astype(np.int64))
         val = torch.from_numpy(npz["val"])
     mean, std = images[~val].mean(), images[~val].std()
+    source = ImageSource(InMemory(images[~val], labels[~val]), InMemory(images[val], labels[val]), size=8,
+                         mean=(float(mean),), std=(float(std),))
     images = (images - mean) / std
     return Datasets(
         train=InMemory(images[~val], labels[~val]),
@@ -64,6 +69,7 @@ def digits() -> Datasets:
         num_classes=10,
         sample_shape=(1, 8, 8),
         description="digits (UCI optdigits, CC BY 4.0)",
+        images=source,
     )
 
 
@@ -103,7 +109,8 @@ def synthetic(
     if (size + val_size) * prototypes[0].numel() * 4 <= SYNTHETIC_IN_MEMORY_BYTES:  # generate once, hold it
         train, val = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.labels) for d in (train, val))
     return Datasets(train, val, num_classes, (channels, image_size, image_size),
-                    f"synthetic ({num_classes} classes, seed {seed})")
+                    f"synthetic ({num_classes} classes, seed {seed})",
+                    images=ImageSource(train, val, image_size, (0.0,) * channels, (1.0,) * channels))
 
 
 def sequences(size: int, val_size: int, vocab: int, min_length: int, max_length: int, seed: int,
@@ -144,15 +151,13 @@ def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
     if name not in _TORCHVISION:
         raise UserError(f"data.name={name!r} is not valid: expected one of {', '.join(_TORCHVISION)}")
     import torchvision
-    from torchvision import transforms as T
 
     spec = _TORCHVISION[name]
     root_path = Path(os.path.expanduser(root)).resolve()
-    transform = T.Compose([T.ToTensor(), T.Normalize(spec["mean"], spec["std"])])
     cls = getattr(torchvision.datasets, spec["cls"])
-    try:
-        train = cls(str(root_path), train=True, transform=transform, download=download)
-        val = cls(str(root_path), train=False, transform=transform, download=download)
+    try:  # raw PIL images: the views (accutrain.views) are made from them
+        train = cls(str(root_path), train=True, download=download)
+        val = cls(str(root_path), train=False, download=download)
     except RuntimeError as e:
         if "not found" not in str(e).lower():
             raise
@@ -162,7 +167,10 @@ def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
         ) from None
     except OSError as e:  # download failed: no network, no write permission, ...
         raise UserError(f"could not download {name} to {root_path}: {e}") from None
-    return Datasets(train, val, spec["classes"], spec["shape"], f"{name} ({root_path})")
+    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"])
+    view = fixed_view(source)
+    return Datasets(Views(train, view), Views(val, view), spec["classes"], spec["shape"], f"{name} ({root_path})",
+                    images=source)
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -190,7 +198,7 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
     if channels not in (1, 3):
         raise UserError(f"data.channels={channels} is not valid for imagefolder: expected 1 or 3")
     from torchvision import datasets as tvd
-    from torchvision import transforms as T
+    from torchvision.transforms import v2
 
     root_path = Path(os.path.expanduser(root)).resolve()
     for split in ("train", "val"):
@@ -200,17 +208,10 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
                 f"{root_path}/train/<class>/<image> and {root_path}/val/<class>/<image>"
             )
     mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if channels == 3 else ((0.5,), (0.5,))
-    transform = T.Compose([
-        T.Grayscale(1) if channels == 1 else T.Lambda(_to_rgb),
-        T.Resize(image_size),
-        T.CenterCrop(image_size),
-        T.ToTensor(),
-        T.Normalize(mean, std),
-    ])
     splits = {}
     for split in ("train", "val"):
-        try:
-            splits[split] = tvd.ImageFolder(str(root_path / split), transform=transform, loader=read_image)
+        try:  # raw PIL images: the views (accutrain.views) are made from them
+            splits[split] = tvd.ImageFolder(str(root_path / split), loader=read_image)
         except FileNotFoundError:
             raise UserError(
                 f"no images found under {root_path / split}: expected class folders holding "
@@ -222,8 +223,11 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
             f"{root_path}: train/ and val/ hold different classes ({len(train.classes)} vs {len(val.classes)}): "
             "every class needs a folder in both"
         )
-    return Datasets(train, val, len(train.classes), (channels, image_size, image_size),
-                    f"imagefolder ({root_path}, {len(train.classes)} classes)")
+    source = ImageSource(train, val, image_size, mean, std, resize=True, crop=Crop.resized,
+                         convert=(v2.Grayscale(1) if channels == 1 else v2.Lambda(_to_rgb),))
+    view = fixed_view(source)
+    return Datasets(Views(train, view), Views(val, view), len(train.classes), (channels, image_size, image_size),
+                    f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool,

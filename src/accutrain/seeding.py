@@ -3,6 +3,7 @@ the streams that must not depend on anything else (an epoch's order, a generated
 `trainer.deterministic`, which makes CUDA's algorithms repeat themselves."""
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from contextlib import contextmanager
@@ -29,6 +30,23 @@ def derived_seed(seed: int, offset: int) -> int:
 def generator(seed: int, offset: int) -> torch.Generator:
     """A CPU generator for stream `offset` of a run seeded `seed`."""
     return torch.Generator().manual_seed(derived_seed(seed, offset))
+
+
+def keyed_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed that depends on (seed, *keys) only: the stream of one sample's view in one epoch, one window's
+    mixing draws. Hashed, so that no two keys share a stream (derived_seed's sums could)."""
+    digest = hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@contextmanager
+def seeded_cpu_rng(seed: int) -> Iterator[None]:
+    """Inside the block torch's global CPU generator starts from `seed` (what torchvision's random transforms draw
+    from); on leaving it is back where it was, so the run's other draws (dropout, say) never see the block. CUDA's
+    generators are left alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
 
 
 CUBLAS_WORKSPACE = ":4096:8"  # what deterministic cuBLAS needs (CUDA >= 10.2); read when cuBLAS first starts

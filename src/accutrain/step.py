@@ -30,13 +30,17 @@ from accutrain.precision import Precision, make_precision
 FP32 = make_precision("32", torch.device("cpu"))
 
 
-def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                         label_smoothing: float = 0.0) -> torch.Tensor:
     """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides.
-    Targets are per sample (logits N×C) or per element (logits N×C×d…, targets N×d…); targets equal to
-    ignore_index add nothing. Half-precision logits are promoted: the loss is float32 at least."""
+    Targets are class indices per sample (logits N×C) or per element (logits N×C×d…, targets N×d…), whose
+    ignore_index adds nothing, or class probabilities per sample (N×C floats: MixUp/CutMix's soft targets).
+    label_smoothing ε makes each target (1 - ε) × itself + ε/C on every class, per term: the sum stays a sum of
+    per-term losses. Half-precision logits are promoted: the loss is float32 at least."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index)
+    return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index,
+                           label_smoothing=label_smoothing)
 
 
 def shift_left(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -62,13 +66,14 @@ class SummedLoss:
     elements: bool = False  # terms are elements (tokens), not samples
     ignore_index: int = -100
     shift_labels: bool = False  # targets are the labels shifted left by one position (labels = input_ids)
+    label_smoothing: float = 0.0  # loss.label_smoothing: training only (evaluation reports the plain loss)
 
     def target(self, labels: torch.Tensor) -> torch.Tensor:
         """The targets the loss compares the logits with."""
         return shift_left(labels, self.ignore_index) if self.shift_labels else labels
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return summed_cross_entropy(logits, self.target(labels), self.ignore_index)
+        return summed_cross_entropy(logits, self.target(labels), self.ignore_index, self.label_smoothing)
 
     def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
         """|W| of these micro-batches: samples, or elements counted after the shift."""
@@ -79,14 +84,14 @@ class SummedLoss:
 
 
 def make_loss(normalize: Normalize, ignore_index: int, shift_labels: Optional[bool] = None,
-              model: Optional[nn.Module] = None) -> SummedLoss:
+              model: Optional[nn.Module] = None, label_smoothing: float = 0.0) -> SummedLoss:
     """The run's loss; `loss.normalize=auto` and `loss.shift_labels=null` take the model's `loss_defaults` (model=
     hf_causal_lm: tokens, shifted), else samples, unshifted."""
     defaults = getattr(model, "loss_defaults", {})
     if normalize is Normalize.auto:
         normalize = Normalize(defaults.get("normalize", "samples"))
     shift = defaults.get("shift_labels", False) if shift_labels is None else shift_labels
-    return SummedLoss(normalize in (Normalize.elements, Normalize.tokens), ignore_index, shift)
+    return SummedLoss(normalize in (Normalize.elements, Normalize.tokens), ignore_index, shift, label_smoothing)
 
 
 def accumulate(

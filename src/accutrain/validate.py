@@ -99,11 +99,44 @@ def validate(cfg: DictConfig) -> None:
     if t.min_delta < 0:
         raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
     compiled.check_settings(t)
+    augment_and_loss(cfg)
     for name in t.preempt_signals:
         if name not in signal.Signals.__members__ or name in UNCATCHABLE:
             raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
                             "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
     validate_strategy(cfg)
+
+
+def augment_and_loss(cfg: DictConfig) -> None:
+    """augment.* and loss.label_smoothing: ranges a type cannot express."""
+    a, key = cfg.augment, "augment"
+    if a.padding < 0:
+        raise UserError(f"{key}.padding={a.padding} is not valid: expected 0 or more pixels")
+    for name, low in (("scale", 0.0), ("ratio", 0.0)):
+        pair = list(a[name])
+        if len(pair) != 2 or not low < pair[0] <= pair[1] or (name == "scale" and pair[1] > 1):
+            what = ("the crop's area as a fraction of the image's, 0 < min <= max <= 1 (a crop cannot be larger "
+                    "than the image)" if name == "scale" else "the crop's aspect ratio range, 0 < min <= max")
+            raise UserError(f"{key}.{name}={pair} is not valid: expected [min, max], {what}")
+    if a.policy not in (None, "trivialaugment", "randaugment"):
+        raise UserError(f"{key}.policy={a.policy} is not valid: expected trivialaugment, randaugment or null")
+    if a.num_ops < 1 or not 0 <= a.magnitude <= 30:
+        bad = "num_ops" if a.num_ops < 1 else "magnitude"
+        raise UserError(f"{key}.{bad}={a[bad]} is not valid: expected " +
+                        ("1 or more operations" if bad == "num_ops" else "a magnitude from 0 to 30"))
+    for name in ("random_erasing", "mix_prob", "switch_prob"):
+        if not 0 <= a[name] <= 1:
+            raise UserError(f"{key}.{name}={a[name]} is not valid: expected a probability between 0 and 1")
+    if not 0 < a.eval_crop_ratio <= 1:
+        raise UserError(f"{key}.eval_crop_ratio={a.eval_crop_ratio} is not valid: expected 0 < ratio <= 1 (0.875: "
+                        "resize to image_size / 0.875, centre-crop image_size)")
+    for name in ("mixup_alpha", "cutmix_alpha"):
+        if a[name] < 0:
+            raise UserError(f"{key}.{name}={a[name]} is not valid: expected 0 (off) or a positive Beta(α, α) "
+                            "parameter (e.g. 0.2 for MixUp, 1.0 for CutMix)")
+    if not 0 <= cfg.loss.label_smoothing < 1:
+        raise UserError(f"loss.label_smoothing={cfg.loss.label_smoothing} is not valid: expected 0 <= ε < 1 "
+                        "(e.g. 0.1)")
 
 
 def validate_strategy(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from accutrain.batches import Batch, BatchFormat
+from accutrain.mixing import Mix, Mixer
 from accutrain.plan import BatchPlan
 from accutrain import seeding
 
@@ -32,11 +33,18 @@ class Window:
 
 
 class MicroBatch(list):
-    """The dataset indices of one of this rank's micro-batches (possibly none), and the window it belongs to."""
+    """The dataset indices of one of this rank's micro-batches (possibly none), the window it belongs to, and (with
+    MixUp/CutMix) how each of its samples is mixed."""
 
-    def __init__(self, indices: Iterable[int], window: Window) -> None:
+    def __init__(self, indices: Iterable[int], window: Window, mixes: Optional[list[Mix]] = None) -> None:
         super().__init__(indices)
-        self.window = window
+        self.window, self.mixes = window, mixes
+
+    @classmethod
+    def join(cls, parts: list[MicroBatch]) -> MicroBatch:
+        """The micro-batches of one window as one."""
+        mixes = None if parts[0].mixes is None else [m for part in parts for m in part.mixes or []]
+        return cls([i for part in parts for i in part], parts[0].window, mixes)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -58,8 +66,9 @@ def rank_share(samples: list[int], micro_batch: int, rank: int, world: int) -> l
 class WindowSampler(Sampler[MicroBatch]):
     """Batch sampler for a DataLoader: this rank's micro-batches, window after window, empty ones included."""
 
-    def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1) -> None:
-        self.plan, self.seed, self.rank, self.world = plan, seed, rank, world
+    def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1, mixer: Optional[Mixer] = None
+                 ) -> None:
+        self.plan, self.seed, self.rank, self.world, self.mixer = plan, seed, rank, world, mixer
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start_window: int = 0) -> None:
@@ -77,7 +86,12 @@ class WindowSampler(Sampler[MicroBatch]):
             window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share),
                             self.plan.batch_at(seen + start))
             start += len(samples)
-            yield [MicroBatch(indices, window) for indices in share]
+            if self.mixer is None:
+                yield [MicroBatch(indices, window) for indices in share]
+            else:  # the whole window's draws, cut like its samples: every rank knows every partner
+                mixes = rank_share(self.mixer.plan(self.epoch, index, samples), self.plan.micro_batch, self.rank,
+                                   self.world)
+                yield [MicroBatch(indices, window, mix) for indices, mix in zip(share, mixes)]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro_batches in self.windows():
@@ -90,13 +104,16 @@ class WindowSampler(Sampler[MicroBatch]):
 
 
 class WindowData(Dataset):
-    """The training set as the train loader reads it: a MicroBatch's samples, as a Batch, with its window. An empty
-    micro-batch (a rank whose share of a short window ran out: it still takes part in the window's gradient
-    all-reduce) becomes a stand-in — the first two samples, marked so that they add nothing (many models cannot
-    take zero samples) — or, with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples."""
+    """The training set as the train loader reads it: a MicroBatch's samples, as a Batch, with its window. A dataset
+    with random views (accutrain.views.Views) gives each sample its view of the window's epoch; with a `mixer`
+    each sample is mixed with its partner, which this loader reads too (accutrain.mixing). An empty micro-batch (a
+    rank whose share of a short window ran out: it still takes part in the window's gradient all-reduce) becomes a
+    stand-in — the first two samples, marked so that they add nothing (many models cannot take zero samples) — or,
+    with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples."""
 
-    def __init__(self, dataset: Dataset, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True) -> None:
-        self.dataset, self.format, self.stand_in = dataset, batch_format, stand_in
+    def __init__(self, dataset: Dataset, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True,
+                 mixer: Optional[Mixer] = None) -> None:
+        self.dataset, self.format, self.stand_in, self.mixer = dataset, batch_format, stand_in, mixer
         self._empty: Optional[Batch] = None
 
     def __len__(self) -> int:
@@ -105,16 +122,30 @@ class WindowData(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
+    def item(self, epoch: int, index: int) -> Any:
+        """Sample `index` as epoch `epoch` sees it."""
+        view = getattr(self.dataset, "view", None)
+        return view(epoch, index) if view is not None else self.dataset[index]
+
     def __getitems__(self, micro_batch: MicroBatch) -> tuple[Window, Batch]:
         if not micro_batch:
             if self._empty is None:
                 if self.stand_in:  # two samples: BatchNorm refuses one in training mode
-                    items = [self.dataset[0], self.dataset[min(1, len(self) - 1)]]
+                    items = self.unmixed([self.dataset[0], self.dataset[min(1, len(self) - 1)]])
                     self._empty = dataclasses.replace(self.format(items), stand_in=True)
                 else:
-                    self._empty = self.format([self.dataset[0]]).head(0)
+                    self._empty = self.format(self.unmixed([self.dataset[0]])).head(0)
             return micro_batch.window, self._empty
-        return micro_batch.window, self.format([self.dataset[i] for i in micro_batch])
+        epoch = micro_batch.window.epoch
+        items = [self.item(epoch, i) for i in micro_batch]
+        if self.mixer is not None and micro_batch.mixes is not None:
+            items = [self.mixer.mixed(item, self.item(epoch, mix.partner) if mix.lam < 1.0 else None, mix)
+                     for item, mix in zip(items, micro_batch.mixes)]
+        return micro_batch.window, self.format(items)
+
+    def unmixed(self, items: list[Any]) -> list[Any]:
+        """Items as the loss takes them: with a mixer, soft (one-hot) targets."""
+        return items if self.mixer is None else [self.mixer.mixed(item, None, Mix(0)) for item in items]
 
 
 def _collated(item: tuple[Window, Batch]) -> tuple[Window, Batch]:
@@ -124,8 +155,10 @@ def _collated(item: tuple[Window, Batch]) -> tuple[Window, Batch]:
 def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
                   generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True
                   ) -> DataLoader:
-    """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order."""
-    return DataLoader(WindowData(dataset, batch_format, stand_in), batch_sampler=sampler, collate_fn=_collated,
+    """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order
+    (mixed as the sampler's mixer draws them)."""
+    return DataLoader(WindowData(dataset, batch_format, stand_in, sampler.mixer), batch_sampler=sampler,
+                      collate_fn=_collated,
                       num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
                       generator=generator)
 
