@@ -124,6 +124,20 @@ def test_resume_auto_falls_back_past_a_corrupt_checkpoint(slow):
     assert_identical(final_weights(resumed), final_weights(reference))
 
 
+def test_resume_with_a_loader_worker_after_an_evaluation_is_bit_identical(slow):
+    """With persistent workers the held-out loader makes its iterator once per process: at the first evaluation of
+    the uninterrupted run (step 4) but at the first one after the resume (step 8) of a run resumed at step 5. That
+    iterator's worker seed must come from a generator of its own, not from the global RNG that dropout draws from."""
+    args = [*RUN, "data.num_workers=1"]
+    reference, _ = train_here(slow, "reference", *args)
+    train_here(slow, "run", *args, "trainer.keep_checkpoints=20")
+    rewind(slow / "run", 5)  # after the evaluation at the end of epoch 1, before the one of epoch 2
+    resumed, log = train_here(slow, "run", *args, "resume=auto")
+    assert "at optimizer step 5" in log
+    assert_identical(final_weights(resumed), final_weights(reference))
+    assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in read_metrics(reference)[0]]
+
+
 def test_resume_with_another_split_of_the_same_effective_batch(slow):
     reference, _ = train_here(slow, "reference", *RUN)
     train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")

@@ -117,7 +117,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
 
     pin = device.type == "cuda"
     sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer)  # MixUp/CutMix drawn per window
-    # The loader draws its workers' seeds from its own generator, never from the global RNG that dropout uses.
+    # The loaders draw their workers' seeds from generators of their own, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
     # communicates (a skipped stand-in would leave the other ranks waiting) and which takes zero samples.
@@ -126,7 +126,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
                            stand_in=not synced and not strategy.lockstep)
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = strategy.eval_batches(
-        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin,
+        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin, cfg.seed,
                          collate=batches), lambda: batches([datasets.val[0]]).head(0))
     for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
                     pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),

@@ -230,10 +230,15 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
                     f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source)
 
 
-def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool,
+def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool, seed: int,
                 collate: Optional[Callable[[list], Any]] = None) -> DataLoader:
+    """The held-out split in order. Evaluating never draws from the global RNG that dropout draws from."""
+    # Each iterator a DataLoader makes draws its workers' base seed from `generator`, or without one from torch's
+    # global RNG. With persistent workers the iterator is made once per process: at the first evaluation of an
+    # uninterrupted run, at the first one after the checkpoint of a resumed run — a draw the other run did not make.
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0)
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def describe_split_sizes(ds: Datasets) -> str:
