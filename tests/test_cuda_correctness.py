@@ -14,14 +14,15 @@ from torch.nn.parallel import DistributedDataParallel
 from accutrain import auto_batch, build as build_module, check, dist, launch, memory, norms
 from accutrain.build import build
 from accutrain.check import components_for_check, run_check
-from accutrain.config import Normalize, compose as compose_config
+from accutrain.config import compose as compose_config
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.loop import fit
 from accutrain.memory import GradBuffers
 from accutrain.metrics import MetricsLog
-from accutrain.progress import Progress
 from accutrain.precision import make_precision
+from accutrain.progress import Progress
+from accutrain.schemas import Normalize
 from accutrain.signals import StopRequest
 from accutrain.step import accumulate, make_loss
 from accutrain.targets import factory

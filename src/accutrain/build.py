@@ -26,7 +26,7 @@ from accutrain.plan import BatchPlan, make_plan
 from accutrain.precision import Precision, make_precision
 from accutrain.seeding import seed_everything
 from accutrain.step import SummedLoss, make_loss
-from accutrain.strategy import Strategy, make_strategy
+from accutrain.strategy import Strategy
 from accutrain.targets import accepted, factory
 from accutrain.windows import WindowSampler, window_loader
 
@@ -171,3 +171,12 @@ def main_first(world: World) -> Iterator[None]:
     yield
     if world.main:
         dist.wait_for_main(world)
+
+
+def make_strategy(cfg: DictConfig, world: World, device: torch.device, precision: Precision) -> Strategy:
+    """The strategy `strategy=` names, for this rank (FSDP's module is imported only when it is chosen)."""
+    if cfg.strategy.name == "fsdp":
+        from accutrain.fsdp import FSDP
+
+        return FSDP(cfg.strategy, world, device, precision)
+    return Strategy(world, device)

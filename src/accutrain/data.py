@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from accutrain.config import Crop
 from accutrain.errors import UserError
+from accutrain.schemas import Crop
 from accutrain.seeding import generator
 from accutrain.views import ImageSource, Views, fixed_view
 

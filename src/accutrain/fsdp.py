@@ -28,12 +28,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from accutrain import state_dicts
-from accutrain.config import CheckpointFormat, Norm, Sync
+from accutrain.config import CheckpointFormat, Sync
 from accutrain.dist import World
 from accutrain.ema import EMA
 from accutrain.errors import UserError
 from accutrain.memory import repeated_blocks
 from accutrain.norms import batchnorm_layers
+from accutrain.schemas import Norm
 from accutrain.strategy import EvenBatches, Strategy
 
 log = logging.getLogger("accutrain")

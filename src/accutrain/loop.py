@@ -18,13 +18,14 @@ import torch
 
 from accutrain import dist, lr_scaling, memory, norms, pitfalls
 from accutrain.build import Components
-from accutrain.config import LRScaling, OnNonFinite
+from accutrain.config import OnNonFinite
 from accutrain.errors import NonFinite, UserError
 from accutrain.metrics import MetricsLog
 from accutrain.progress import Progress
+from accutrain.schemas import LRScaling
 from accutrain.signals import StopRequest
 from accutrain.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
-from accutrain.steplog import StepLog
+from accutrain.steplog import Settled, StepLog
 from accutrain.windows import Window, windows_of
 
 log = logging.getLogger("accutrain")
@@ -57,18 +58,6 @@ class Settings:
         t = c.cfg.trainer
         return cls(t.grad_clip, t.eval_every, t.checkpoint_every, t.on_nonfinite, c.cfg.optim.lr_scaling,
                    c.cfg.optim.base_batch)
-
-
-@dataclass(frozen=True)
-class Settled:
-    """A window's figures, read from the device once: its loss summed over every rank, the global gradient norm
-    (before clipping), 16-mixed's overflow and next scale, and whether any rank was asked to stop."""
-
-    loss_sum: float
-    norm: float
-    stop: bool
-    overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
-    scale: Optional[float] = None  # the GradScaler's scale for the next window
 
 
 def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Optional[Path]],

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from accutrain.config import LRScaling
+from accutrain.schemas import LRScaling
 
 def scaled_lr(lr: float, effective: int, rule: LRScaling, base_batch: Optional[int]) -> float:
     """`lr` scaled for a window of `effective` samples (the scheduler's factor applies on top)."""

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from accutrain.config import MixMode
 from accutrain.errors import UserError
+from accutrain.schemas import MixMode
 from accutrain.seeding import keyed_seed
 
 MIX_STREAM = 2  # keyed_seed(seed, MIX_STREAM, epoch, window): one window's mixing draws

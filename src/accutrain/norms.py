@@ -13,8 +13,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from accutrain.config import Norm
 from accutrain.models import replace_module
+from accutrain.schemas import Norm
 
 REMEDIES = ("model.norm=group (GroupNorm: statistics per sample; model.norm_groups sets the groups), "
             "model.norm=frozen (BatchNorm in eval mode with fixed statistics, for fine-tuning pretrained weights), "

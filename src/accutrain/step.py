@@ -23,9 +23,9 @@ from torch import nn
 
 from accutrain.batches import Batch, as_batch, stand_in_guard
 from accutrain.compiled import eager
-from accutrain.config import Normalize
 from accutrain.dist import is_sharded
 from accutrain.precision import Precision, make_precision
+from accutrain.schemas import Normalize
 
 FP32 = make_precision("32", torch.device("cpu"))
 

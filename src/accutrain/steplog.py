@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from accutrain import compiled, memory
 from accutrain.build import Components
@@ -15,10 +16,19 @@ from accutrain.metrics import MetricsLog, progress_bar
 from accutrain.progress import Progress
 from accutrain.windows import Window
 
-if TYPE_CHECKING:
-    from accutrain.loop import Settled
-
 log = logging.getLogger("accutrain")
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A window's figures, read from the device once: its loss summed over every rank, the global gradient norm
+    (before clipping), 16-mixed's overflow and next scale, and whether any rank was asked to stop."""
+
+    loss_sum: float
+    norm: float
+    stop: bool
+    overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
+    scale: Optional[float] = None  # the GradScaler's scale for the next window
 
 
 class StepLog:
@@ -35,7 +45,7 @@ class StepLog:
         self.t0 = time.perf_counter()
         memory.reset_peak(self.c.device)
 
-    def __call__(self, window: Window, terms: int, loss: float, lr: float, w: "Settled", skipped: Optional[str],
+    def __call__(self, window: Window, terms: int, loss: float, lr: float, w: Settled, skipped: Optional[str],
                  micro_batches: int) -> None:
         """Record the optimizer step just taken (or skipped) on `window`: |W| = `terms`, `micro_batches` per rank."""
         c, p, norm = self.c, self.p, w.norm

@@ -102,15 +102,6 @@ class Strategy:
         return []
 
 
-def make_strategy(cfg: DictConfig, world: World, device: torch.device, precision: Any) -> Strategy:
-    """The strategy `strategy=` names, for this rank."""
-    if cfg.strategy.name == "fsdp":
-        from accutrain.fsdp import FSDP
-
-        return FSDP(cfg.strategy, world, device, precision)
-    return Strategy(world, device)
-
-
 class EvenBatches:
     """A loader's batches, then empty ones until every rank has run as many (the same number on every rank)."""
 

@@ -9,9 +9,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain import compiled
-from accutrain.config import LRScaling
 from accutrain.errors import UserError
 from accutrain.monitor import METRICS
+from accutrain.schemas import LRScaling
 from accutrain.signals import UNCATCHABLE
 
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import Dataset
 
-from accutrain.config import Crop
 from accutrain.errors import UserError
+from accutrain.schemas import Crop
 from accutrain.seeding import keyed_seed, seeded_cpu_rng
 
 VIEW_STREAM = 1  # keyed_seed(seed, VIEW_STREAM, epoch, index): one sample's view in one epoch
