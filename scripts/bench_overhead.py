@@ -7,7 +7,8 @@ the same optimizer. The hand-written loop is the textbook one:
     if (i + 1) % accum == 0: optimizer.step(); optimizer.zero_grad()
 
 accutrain runs its whole recipe (window sampler, exact normalisation, grad-norm, scheduler, metrics.jsonl,
-progress bar). Runs alternate (hand, accutrain, hand, …) so that machine noise hits both; the first steps of
+progress bar). Runs alternate (hand then accutrain in odd rounds, accutrain then hand in even ones) so that
+machine noise and the heap one run leaves to the next hit both sides alike; the first steps of
 each run are warm-up and not timed. Prints the per-round figures, the medians, their ratio, and accutrain's extra
 cost per optimizer step in µs. `--clock cpu` times by the process's CPU time instead of the wall clock: on a shared
 machine it leaves out the time the process waited for a core (CPU training only; with 1 thread it is the stablest
@@ -140,9 +141,9 @@ def main() -> None:
     print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed; "
           f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     hand, ours = [], []
-    for r in range(args.rounds):
-        hand.append(hand_written(cfg, args.steps, args.warmup))
-        ours.append(accutrain_loop(cfg, args.steps, args.warmup))
+    for r in range(args.rounds):  # which side runs first alternates: neither always inherits the other's heap
+        for side in ((hand_written, hand), (accutrain_loop, ours))[:: 1 if r % 2 == 0 else -1]:
+            side[1].append(side[0](cfg, args.steps, args.warmup))
         print(f"round {r + 1}: hand-written {hand[-1]:8.1f} samples/s   accutrain {ours[-1]:8.1f} samples/s   "
               f"ratio {ours[-1] / hand[-1]:.3f}")
     ratios = [o / h for o, h in zip(ours, hand)]
