@@ -144,6 +144,20 @@ def assert_one_line_user_error(error: BaseException, *fragments: str) -> None:
 # --- runs a test kills: a slow model, started in the background ------------------------------------------
 # A model that sleeps in forward (numerics untouched) so that a kill can land at a chosen optimizer step, and
 # dropout so that an RNG state not restored would show.
+# A data factory (data=custom) whose samples `bad` are NaN: non-finite windows on purpose.
+NAN_DATA = """
+import torch
+from accutrain.data import Datasets, InMemory
+
+def make(size=64, bad=(5,)):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(size, 1, 4, 4, generator=g), torch.randint(3, (size,), generator=g)
+    for i in bad:
+        x[i] = float("nan")
+    return Datasets(InMemory(x, y), InMemory(x[:8].nan_to_num(), y[:8]), 3, (1, 4, 4), "nan data")
+"""
+
+
 SLOW_MODEL = """
 import time
 import torch.nn as nn

@@ -16,7 +16,7 @@ from accutrain.loop import fit
 from accutrain.metrics import MetricsLog
 from accutrain.progress import Progress
 from accutrain.signals import StopRequest
-from conftest import (RUN, TINY, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
+from conftest import (NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
                       start, train_here, train_run, wait_for_steps)
 from test_exact import EXACT
 
@@ -50,19 +50,6 @@ def test_the_average_of_half_precision_weights_is_float32():
         net.weight.add_(0.01)
     ema.update(net)  # a 1e-5 move: bf16 would round it away
     assert not torch.equal(ema.weights["weight"], start_value)
-
-
-NAN_DATA = """
-import torch
-from accutrain.data import Datasets, InMemory
-
-def make(size=64, bad=(5,)):
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(size, 1, 4, 4, generator=g), torch.randint(3, (size,), generator=g)
-    for i in bad:
-        x[i] = float("nan")
-    return Datasets(InMemory(x, y), InMemory(x[:8].nan_to_num(), y[:8]), 3, (1, 4, 4), "nan data")
-"""
 
 
 def test_the_average_moves_once_per_optimizer_step_taken(tmp_path, monkeypatch, compose):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from accutrain.errors import UserError
-from conftest import (ONE_THREAD, RUN, TINY, TINY_DATA, assert_identical, assert_one_line_error,
+from conftest import (NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, assert_identical, assert_one_line_error,
                       assert_one_line_user_error, cli_command, final_weights, read_metrics, run_cli, start, train_here,
                       train_run, wait_for_steps)
 
@@ -210,19 +210,6 @@ def test_checkpoint_from_another_model_or_batch_is_refused(tmp_path):
                                "was trained with effective batch 32", "this run's is 16")
     assert_one_line_user_error(refused(tmp_path, *TINY, "resume=/nonexistent/last.pt"),
                                "resume=/nonexistent/last.pt: no such checkpoint")
-
-
-NAN_DATA = """
-import torch
-from accutrain.data import Datasets, InMemory
-
-def make(size=64, bad=(5,)):
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(size, 1, 4, 4, generator=g), torch.randint(3, (size,), generator=g)
-    for i in bad:
-        x[i] = float("nan")
-    return Datasets(InMemory(x, y), InMemory(x[:8].nan_to_num(), y[:8]), 3, (1, 4, 4), "nan data")
-"""
 
 
 @pytest.fixture
