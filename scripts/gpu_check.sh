@@ -3,12 +3,13 @@
 # a report of what ran, on what, with which result.
 #
 #   bash scripts/gpu_check.sh                      # everything; the report goes to gpu_report/REPORT.md
-#   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, compile, ddp,
-#                                                    fsdp) into OUT/
+#   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, auto, compile,
+#                                                    ddp, fsdp) into OUT/
 #
 # Steps: `tests` (pytest -m cuda: the CUDA correctness tests, e.g. tests/test_cuda_correctness.py), `smoke` (the
 # default job on the GPU, then accutrain-check), `memory` (scripts/bench_memory.py: peak memory and samples/s
-# against micro_batch), `overhead` (scripts/bench_overhead.py: accutrain's loop against the hand-written one),
+# against micro_batch), `overhead` (scripts/bench_overhead.py: accutrain's loop against the hand-written one, on
+# resnet18 and on the MLP), `auto` (scripts/bench_auto_batch.py: micro_batch=auto against the largest that fits),
 # `compile` (the same with trainer.compile=true: compiled against eager samples/s), `ddp`
 # (scripts/bench_ddp.py, NCCL; needs 2 GPUs, else skipped and said), `fsdp` (scripts/bench_memory.py --strategies:
 # DDP vs FSDP each/last/offload at devices=2; needs 2 GPUs). Each step's full output is OUT/<step>.log;
@@ -23,7 +24,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${1:-gpu_report}
 shift $(( $# > 0 ? 1 : 0 ))
-STEPS=${*:-tests smoke memory overhead compile ddp fsdp}
+STEPS=${*:-tests smoke memory overhead auto compile ddp fsdp}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -95,7 +96,11 @@ for step in $STEPS; do
         memory)
             run_step memory $PY scripts/bench_memory.py --steps 12 --out "$OUT/memory_gpu.png" ;;
         overhead)
-            run_step overhead $PY scripts/bench_overhead.py --device cuda --rounds 5 accum=4 ;;
+            run_step overhead $PY scripts/bench_overhead.py --device cuda --rounds 5 accum=4
+            run_step overhead_mlp $PY scripts/bench_overhead.py --device cuda --rounds 7 --steps 60 model=mlp \
+                micro_batch=8 accum=8 ;;
+        auto)
+            run_step auto $PY scripts/bench_auto_batch.py ;;
         compile)
             run_step compile $PY scripts/bench_overhead.py --device cuda --rounds 3 --steps 60 --warmup 12 accum=4 \
                 trainer.compile=true trainer.log_every=1000000 ;;
@@ -112,7 +117,7 @@ for step in $STEPS; do
                 skip_step fsdp "needs 2 GPUs for DDP vs FSDP at devices=2, $gpus visible"
             fi ;;
         *)
-            skip_step "$step" "unknown step (tests, smoke, memory, overhead, compile, ddp, fsdp)" ;;
+            skip_step "$step" "unknown step (tests, smoke, memory, overhead, auto, compile, ddp, fsdp)" ;;
     esac
 done
 

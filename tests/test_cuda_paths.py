@@ -13,7 +13,7 @@ from accutrain.build import build
 from accutrain.dist import World
 from accutrain.loop import fit
 from accutrain.metrics import MetricsLog
-from accutrain.precision import tolerance
+from accutrain.precision import full_float32, tolerance
 from accutrain.progress import Progress
 from accutrain.signals import StopRequest
 from accutrain.steplog import StepLog
@@ -29,7 +29,8 @@ CUDA = torch.device("cuda")
 
 def close(a, b, rtol):
     for key in a:
-        torch.testing.assert_close(a[key].float(), b[key].float(), rtol=rtol, atol=rtol * 0.1, msg=key)
+        torch.testing.assert_close(a[key].float().cpu(), b[key].float().cpu(), rtol=rtol, atol=rtol * 0.1,
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed", "16-mixed", "bf16-true"])
@@ -40,29 +41,27 @@ def test_every_precision_keeps_the_accumulation_equivalence_on_cuda(tmp_path, pr
 
 
 def test_16_mixed_overflow_skips_the_step_and_halves_the_scale_on_cuda(tmp_path, compose):
-    r = build(compose(*EXACT, "micro_batch=8", "accum=2", "trainer.max_steps=12", "trainer.precision=16-mixed"),
-              World(), CUDA)
-    r.precision.scaler._init_scale = 2.0 ** 40  # fp16 gradients overflow until the scale has come down
+    r = build(compose(*EXACT, "micro_batch=8", "accum=2", "trainer.epochs=4", "trainer.precision=16-mixed"),
+              World(), CUDA)  # 32 steps of 16 samples
+    r.precision.scaler._init_scale = 2.0 ** 32  # fp16 gradients overflow until the scale has come down (< 2^16)
     metrics = MetricsLog(tmp_path / "metrics.jsonl")
     with StopRequest() as stop:
         fit(r, metrics, Progress(), lambda *a, **k: None, stop)
     metrics.close()
     records, _ = read_metrics(tmp_path)
     skipped = [rec for rec in records if rec.get("skipped") == "amp_overflow"]
-    assert records[0]["skipped"] == "amp_overflow" and 1 <= len(skipped) < len(records)
+    assert records[0]["skipped"] == "amp_overflow" and 1 <= len(skipped) < len(records), len(skipped)
     scales = [rec["amp_scale"] for rec in records]
-    assert scales[0] == 2.0 ** 39 and scales == sorted(scales, reverse=True)
+    assert scales[0] == 2.0 ** 31 and scales == sorted(scales, reverse=True)
 
 
 def test_float32_buffers_for_bf16_weights_on_cuda(tmp_path):
+    # That the buffers sum more exactly than bf16 .grad is test_memory's (on this GPU too); here the run uses them.
     args = [*EXACT, "trainer.precision=bf16-true", "micro_batch=4", "accum=8"]
     buffered, log = train_here(tmp_path, "buffered", *args, "trainer.accum_dtype=float32")
     assert "gradients accumulate in float32 buffers" in log
     fp32, _ = train_here(tmp_path, "fp32", *EXACT, "micro_batch=32")
-    plain, _ = train_here(tmp_path, "plain", *args)
-    err = lambda run: sum((final_weights(run)[k].float() - final_weights(fp32)[k]).abs().sum().item()  # noqa: E731
-                          for k in final_weights(fp32))
-    assert err(buffered) <= err(plain)
+    close(final_weights(buffered), final_weights(fp32), tolerance("bf16-true"))
 
 
 def test_offloaded_gradients_give_the_same_weights_on_cuda(tmp_path):
@@ -74,8 +73,12 @@ def test_offloaded_gradients_give_the_same_weights_on_cuda(tmp_path):
 
 def fill_gpu_but(free_mb: int) -> torch.Tensor:
     """Hold all but `free_mb` MiB of the GPU, so that a real out-of-memory comes early."""
+    torch.cuda.empty_cache()  # blocks this process's allocator keeps would be free to it, yet not counted free
     free, _ = torch.cuda.mem_get_info()
-    return torch.empty(max(0, free - free_mb * 2**20), dtype=torch.uint8, device=CUDA)
+    assert free > (free_mb + 1024) * 2**20, f"only {free / 2**20:.0f} MiB of the GPU free before holding"
+    hold = torch.empty(free - free_mb * 2**20, dtype=torch.uint8, device=CUDA)
+    assert torch.cuda.mem_get_info()[0] < (free_mb + 256) * 2**20
+    return hold
 
 
 def test_micro_batch_auto_finds_the_largest_that_really_fits(tmp_path, compose):
@@ -101,17 +104,29 @@ def test_micro_batch_auto_finds_the_largest_that_really_fits(tmp_path, compose):
 
 
 def test_the_out_of_memory_resplit_on_cuda_gives_the_same_weights(tmp_path):
-    args = [*TINY_DATA, "model=resnet18", "data.image_size=64", "data.size=64", *GPU, "trainer.max_steps=2",
+    """A window of 64 that does not fit is re-split into micro-batches of 32: the run must be the 32 × 2 run (the
+    abandoned attempt's partial gradients dropped), as close to it as another exact split (4 × 16) is — float32
+    sums over 128² pixels in other orders, and cuDNN's algorithms under memory pressure, differ by ~1e-4."""
+    args = [*TINY_DATA, "model=resnet18", "data.image_size=128", "data.size=64", *GPU, "trainer.max_steps=2",
             "model.norm=group"]
-    reference, _ = train_here(tmp_path, "reference", *args, "micro_batch=4", "accum=16")
-    hold = fill_gpu_but(900)
-    try:
-        resplit, log = train_here(tmp_path, "resplit", *args, "micro_batch=64", "accum=1")
-    finally:
-        del hold
-        torch.cuda.empty_cache()
+    with full_float32():  # TF32 convolutions (cuDNN's default) would differ by more than the re-split's rounding
+        halves, _ = train_here(tmp_path, "halves", *args, "micro_batch=32", "accum=2")
+        quarters, _ = train_here(tmp_path, "quarters", *args, "micro_batch=4", "accum=16")
+        # What micro-batches of 4 took, and 10 %: weights, gradients, momentum and 4 samples' activations fit, 64
+        # samples' do not (cuDNN picks algorithms with less workspace when memory is short: 2× was found to fit 64)
+        hold = fill_gpu_but(int(1.1 * read_metrics(quarters)[0][-1]["peak_mem_mb"]))
+        try:
+            resplit, log = train_here(tmp_path, "resplit", *args, "micro_batch=64", "accum=1")
+        finally:
+            del hold
+            torch.cuda.empty_cache()
     assert "out of memory with micro-batches of 64" in log
-    close(final_weights(resplit), final_weights(reference), 1e-4)
+
+    def gap(a, b):
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    halves, quarters, resplit = final_weights(halves), final_weights(quarters), final_weights(resplit)
+    assert gap(resplit, halves) <= 2 * gap(quarters, halves) + 1e-6, (gap(resplit, halves), gap(quarters, halves))
 
 
 def test_activation_checkpointing_on_cuda_saves_memory_and_changes_nothing(tmp_path):
@@ -141,10 +156,11 @@ def test_batches_arrive_in_pinned_memory_and_train_as_on_the_cpu(tmp_path, compo
     assert r.loader.pin_memory
     _, batch = next(iter(r.loader))
     assert batch.inputs.is_pinned() and batch.target.is_pinned()
-    gpu, _ = train_here(tmp_path, "gpu", *EXACT, "micro_batch=8", "accum=4")
+    with full_float32():  # cuDNN's convolutions default to TF32, which the CPU has not
+        gpu, _ = train_here(tmp_path, "gpu", *EXACT, "micro_batch=8", "accum=4")
     cpu, _ = train_here(tmp_path, "cpu", *[a for a in EXACT if a not in GPU], "micro_batch=8", "accum=4",
                         "trainer.device=cpu")
-    close(final_weights(gpu), final_weights(cpu), 1e-4)
+    close(final_weights(gpu), final_weights(cpu), 1e-3)  # other kernels' summation orders; a late copy is O(1)
 
 
 def test_peak_mem_mb_is_the_cuda_allocators_peak(tmp_path):

@@ -104,10 +104,11 @@ def test_amp_overflow_skips_the_optimizer_and_scheduler_step(tmp_path, compose):
     assert any(not torch.equal(a, b) for a, b in zip(before, r.model.parameters()))
 
 
-def test_fp32_buffers_accumulate_half_precision_gradients_more_exactly():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fp32_buffers_accumulate_half_precision_gradients_more_exactly(device):
     torch.manual_seed(0)
-    layer = nn.Linear(64, 64).to(torch.bfloat16)
-    inputs = [torch.randn(4, 64, dtype=torch.bfloat16) for _ in range(64)]
+    layer = nn.Linear(64, 64).to(device, torch.bfloat16)
+    inputs = [torch.randn(4, 64, dtype=torch.bfloat16, device=device) for _ in range(64)]
     exact = sum(torch.autograd.grad(layer.double()(x.double()).square().sum(), layer.weight)[0] for x in inputs)
     layer = layer.to(torch.bfloat16)
 

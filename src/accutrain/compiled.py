@@ -45,9 +45,19 @@ def check_settings(trainer: Any) -> None:
 
 
 def compile_model(model: nn.Module, mode: Optional[str], backend: str) -> None:
-    """Compile `model` in place (its first call compiles); WATCH counts graphs and seconds from here."""
+    """Compile `model` in place (its first call compiles); WATCH counts graphs and seconds from here.
+
+    What nn.Module.compile does (torch.compile of the module's call, kept where Module.__call__ looks for it), but
+    through a function of this file: a module built only of torch.nn code (nn.Sequential of torch layers) would
+    otherwise start dynamo in a frame of torch.nn, which some PyTorch versions (2.11, seen on a GPU) skip, running
+    the whole model eagerly without a word. From here dynamo traces the module's call inline."""
     global WATCH
-    model.compile(mode=mode, backend=backend)
+    call = model._call_impl
+
+    def compiled_call(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    model._compiled_call_impl = torch.compile(compiled_call, mode=mode, backend=backend)
     WATCH = CompileWatch()
 
 

@@ -35,9 +35,11 @@ class World:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`trainer.device`: `auto` is CUDA when visible, else the CPU; an unusable choice is one clear line."""
+    """`trainer.device`: `auto` is CUDA when visible, else the CPU; an unusable choice is one clear line. A CUDA
+    device always carries its index (`cuda` is the first visible GPU), as torch.cuda.set_device and tensors' .device
+    want; CUDA is not initialised here (a launcher's parent process must not)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -48,6 +50,8 @@ def resolve_device(name: str) -> torch.device:
         raise UserError(f"trainer.device={name} but no CUDA device is visible: use trainer.device=cpu (or auto)")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UserError(f"trainer.device={name} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     return device
 
 

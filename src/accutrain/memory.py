@@ -88,8 +88,8 @@ def reset_peak(device: torch.device) -> None:
 
 def peak_mb(device: torch.device) -> float:
     """MiB at the peak since reset_peak: CUDA max allocated on a GPU, the process's peak RSS on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type == "cuda":  # max_memory_allocated flattens all ~160 statistics into a sorted dict: ~0.4 ms
+        return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"] / 2**20
     return _PEAK_RSS.mb()
 
 

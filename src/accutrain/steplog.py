@@ -38,7 +38,7 @@ class StepLog:
         self.bar = progress_bar(c.plan.total_steps, p.step, c.cfg.trainer.progress and c.world.main)
         self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
         self.compiling = compiled.WATCH if compiled.is_compiled(c.model) else None
-        self.graphs_said = 0
+        self.graphs_said, self.first_step = 0, p.step + 1
 
     def start(self) -> None:
         """A window begins: its time and its peak memory count from here."""
@@ -78,6 +78,10 @@ class StepLog:
             self.bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}_s": f"{per_s:.0f}"},
                                  refresh=False)
         self.bar.update()
+        if self.compiling is not None and self.compiling.graphs == 0 and p.step == self.first_step and \
+                c.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
+            log.warning("trainer.compile=true, yet torch.compile compiled nothing in the first optimizer step: the "
+                        "model runs eagerly (dynamo skipped it; TORCH_LOGS=graph_breaks,recompiles says why)")
         if self.compiling is not None and self.compiling.graphs != self.graphs_said:
             self.graphs_said = self.compiling.graphs
             log.info(f"torch.compile: {self.graphs_said} graph(s) compiled so far, {self.compiling.seconds:.1f} s "
