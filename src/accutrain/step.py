@@ -115,7 +115,7 @@ def accumulate(
     """
     precision = precision or FP32
     scale = world / terms
-    loss_total = torch.zeros((), device=device, dtype=torch.float64)
+    parts: list[torch.Tensor] = []  # the micro-batches' summed losses, added once at the end (in float64)
     batches = iter(micro_batches)
     batch = next(batches, None)
     while batch is not None:
@@ -131,11 +131,11 @@ def accumulate(
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
             loss_sum = loss(logits, batch.target)
-            precision.backward(loss_sum * (0.0 if batch.stand_in else scale))
+            precision.backward(loss_sum, 0.0 if batch.stand_in else scale)
         if not batch.stand_in:
-            loss_total += loss_sum.detach()
+            parts.append(loss_sum.detach())
         batch = following
-    return loss_total
+    return torch.stack(parts).to(torch.float64).sum() if parts else torch.zeros((), device=device, dtype=torch.float64)
 
 
 def pieces(n: int, parts: int) -> int:
