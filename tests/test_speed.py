@@ -204,8 +204,8 @@ def test_compiled_accumulation_is_the_big_batch_with_at_most_two_graphs(tmp_path
 
 def test_a_compile_that_compiles_nothing_is_said(tmp_path, fresh_dynamo):
     """Seen on PyTorch 2.11: nn.Module.compile of a torch.nn-only model ran eagerly, silently. accutrain's own
-    compile traces such a model (the test above: debug=fast's mlp is an nn.Sequential of torch layers); if dynamo still skips, the
-    log says so after the first step."""
+    compile traces such a model (the test above: debug=fast's mlp is an nn.Sequential of torch layers); if dynamo
+    still skips, the log says so after the first step."""
     with torch.compiler.set_stance("force_eager"):  # dynamo skips every frame, as it did there
         _, log = train_here(tmp_path, "eager", *TINY, "data.size=40", "trainer.max_steps=2", *AOT)
     assert compiled.WATCH.graphs == 0 and "torch.compile compiled nothing in the first optimizer step" in log

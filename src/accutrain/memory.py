@@ -88,7 +88,7 @@ def reset_peak(device: torch.device) -> None:
 
 def peak_mb(device: torch.device) -> float:
     """MiB at the peak since reset_peak: CUDA max allocated on a GPU, the process's peak RSS on the CPU."""
-    if device.type == "cuda":  # max_memory_allocated flattens all ~160 statistics into a sorted dict: ~0.4 ms
+    if device.type == "cuda":  # max_memory_allocated flattens ~160 statistics into a sorted dict (151 µs on an H100)
         return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["peak"] / 2**20
     return _PEAK_RSS.mb()
 
