@@ -6,8 +6,16 @@ import torch
 import accutrain
 
 from accutrain.errors import UserError
+from accutrain.metrics import summary_line
 from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, final_weights, read_metrics,
                       run_cli, train_here, train_run)
+
+
+def test_the_summary_says_tokens_per_second_when_the_terms_are_tokens():
+    line = summary_line(10, 100, 80, 2.0, 1.5, None, 512.0, session_tokens=5000)
+    assert line == ("done: 10 optimizer steps, 100 samples seen, 2.0 s (40 samples/s, 2500 tokens/s), "
+                    "last loss 1.5000, peak memory 512 MiB")
+    assert "tokens/s" not in summary_line(10, 100, 80, 2.0, 1.5, None)
 
 
 def test_a_run_writes_its_outputs_into_the_run_directory(tmp_path):
@@ -16,7 +24,7 @@ def test_a_run_writes_its_outputs_into_the_run_directory(tmp_path):
     log = proc.stderr
     assert "effective batch 20 = micro_batch 10 × accum 2 × devices 1" in log
     assert "5 optimizer steps per epoch (5 windows of 20), 7 in total over 2 epochs" in log
-    assert "done: 7 optimizer steps, 140 samples seen" in log
+    assert "done: 7 optimizer steps, 140 samples seen" in log and "tokens/s" not in log  # samples are the terms
     assert (run_dir / "train.log").read_text().count("effective batch 20") == 1
     assert "micro_batch: 10" in (run_dir / "config.yaml").read_text()
 

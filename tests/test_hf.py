@@ -4,6 +4,7 @@ otherwise fail silently. Tiny GPT-2s built from configs (no download), on text f
 the built-in byte tokenizer."""
 import json
 import random
+import re
 import signal
 
 import pytest
@@ -164,6 +165,7 @@ def test_export_loads_back_with_from_pretrained_and_checkpoints_have_plain_keys(
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, bare(ids).logits)
     assert "tokens/s" in log and "ppl" in log and "val_ppl" in log and "259 tokens in the vocabulary" in log
+    assert re.search(r"done: .* samples seen, [\d.]+ s \(\d+ samples/s, \d+ tokens/s\)", log)
     evals = read_metrics(run_dir)[1]
     assert evals[-1]["val_ppl"] == pytest.approx(torch.tensor(evals[-1]["val_loss"]).exp().item(), rel=1e-6)
     assert all("tokens_per_s" in r and "ppl" in r for r in read_metrics(run_dir)[0])

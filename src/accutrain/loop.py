@@ -40,6 +40,7 @@ class Outcome:
     stopped_by: Optional[str] = None  # the signal that stopped the run early
     checkpoint: Optional[Path] = None
     early_stop: bool = False  # trainer.early_stopping ended the run before its plan
+    tokens: Optional[int] = None  # the loss terms this session trained on, when they are elements (tokens)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def settle(c: Components, params: list[torch.nn.Parameter], grad_clip: Optional[
 def outcome(record: StepLog, p: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
             early_stop: bool = False) -> Outcome:
     record.close()
-    return Outcome(p, record.seconds, record.samples, record.peak, stopped_by, checkpoint, early_stop)
+    return Outcome(p, record.seconds, record.samples, record.peak, stopped_by, checkpoint, early_stop,
+                   record.tokens if record.elements else None)
 
 
 def window_terms(c: Components, window: Window, batches: Iterator[Any]) -> tuple[int, Iterable[Any]]:

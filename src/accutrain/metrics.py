@@ -95,11 +95,16 @@ class ConsoleFormatter(logging.Formatter):
 
 
 def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
-                 best: Optional[str], peak_mb: float = 0.0) -> str:
-    """The final line: steps and samples of the whole run; time and speed of this session (a resume is one); the
-    best evaluation of the monitored metric (`best`, said as Monitor.describe says it)."""
-    rate = session_samples / seconds if seconds > 0 else float("nan")
-    parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({rate:.0f} samples/s)"]
+                 best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None) -> str:
+    """The final line: steps and samples of the whole run; time and speed of this session (a resume is one), in
+    tokens/s too when the loss terms are tokens (`session_tokens`); the best evaluation of the monitored metric
+    (`best`, said as Monitor.describe says it)."""
+    def per_s(n: int) -> float:
+        return n / seconds if seconds > 0 else float("nan")
+
+    speed = f"{per_s(session_samples):.0f} samples/s" + (
+        f", {per_s(session_tokens):.0f} tokens/s" if session_tokens is not None else "")
+    parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({speed})"]
     if last_loss is not None:
         parts.append(f"last loss {last_loss:.4f}")
     if best is not None:

@@ -184,7 +184,7 @@ def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
 def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     p, monitor = out.progress, c.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
-    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb)
+    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,

@@ -39,6 +39,7 @@ class StepLog:
         self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
         self.compiling = compiled.WATCH if compiled.is_compiled(c.model) else None
         self.graphs_said, self.first_step = 0, p.step + 1
+        self.tokens = 0  # this session's loss terms, when they are elements
 
     def start(self) -> None:
         """A window begins: its time and its peak memory count from here."""
@@ -59,6 +60,7 @@ class StepLog:
                       time=now - self.began, peak_mem_mb=round(memory.peak_mb(c.device), 1))
         self.peak = max(self.peak, record["peak_mem_mb"])
         if self.elements:  # tokens: their count, rate and the perplexity of the window
+            self.tokens += terms
             record.update(elements=terms, tokens_per_s=terms / seconds,
                           ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
         if self.scaler:
