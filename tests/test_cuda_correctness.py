@@ -3,6 +3,7 @@ recorded asynchronous copy, a 1-rank or 2-rank gloo group, a simulated out-of-me
 a GPU can show them (`pytest -m cuda`; they skip without one)."""
 import datetime
 import os
+import queue
 import socket
 
 import pytest
@@ -26,8 +27,8 @@ from accutrain.schemas import Normalize
 from accutrain.signals import StopRequest
 from accutrain.step import accumulate, make_loss
 from accutrain.targets import factory
-from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights,
-                      train_here)
+from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
+                      final_weights, run_cli, train_here)
 from test_memory import OOM, OOM_MODEL
 
 CPU = torch.device("cpu")
@@ -393,6 +394,42 @@ def test_check_turns_tf32_off_inside_and_restores_it(monkeypatch):
     assert result.faithful and len(inside) == 2
     assert set(inside) == {("ieee", "ieee", "ieee") if len(before) == 3 else (False, False)}
     assert tf32_settings() == before
+
+
+def tf32_as(on):
+    """What tf32_settings() reads inside trainer.tf32=on (True, False)."""
+    three = hasattr(torch.backends.cudnn, "conv")
+    return ("tf32" if on else "ieee",) * 3 if three else (on, on)
+
+
+@pytest.mark.parametrize("tf32", [True, False, None])
+def test_tf32_is_set_for_the_run_and_restored(tmp_path, monkeypatch, tf32):
+    seen, real = [], launch.train_rank
+
+    def spy(world, cfg, run_dir, device):
+        seen.append(tf32_settings())
+        return real(world, cfg, run_dir, device)
+
+    monkeypatch.setattr(launch, "train_rank", spy)
+    before = tf32_settings()
+    value = "null" if tf32 is None else str(tf32).lower()
+    _, log = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=1", f"trainer.tf32={value}")
+    assert seen == [before if tf32 is None else tf32_as(tf32)] and tf32_settings() == before
+    assert ("changes nothing on the CPU (TF32 is a CUDA format)" in log) == (tf32 is not None)
+
+
+def test_a_spawned_worker_sets_tf32_in_its_own_process(monkeypatch):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "")  # the worker sets them: restored afterwards
+    threads, before = torch.get_num_threads(), tf32_settings()
+    results = queue.SimpleQueue()
+    job = launch._Job(1, 0, queue.SimpleQueue(), results, None, threads, lambda world: tf32_settings(), tf32=False)
+    launch._worker(0, job)
+    assert results.get() == tf32_as(False) and tf32_settings() == before
+
+
+def test_tf32_takes_a_boolean_or_null(tmp_path):
+    assert_one_line_error(run_cli("trainer.tf32=fast", cwd=tmp_path, check=False), "trainer.tf32")
 
 
 @pytest.mark.cuda

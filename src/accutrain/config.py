@@ -142,6 +142,7 @@ class TrainerConfig:
     early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
     min_delta: float = 0.0  # an improvement must exceed this to count
     deterministic: bool = False  # deterministic cuDNN/cuBLAS algorithms: bit-identical resume on CUDA too
+    tf32: Optional[bool] = None  # float32 matmuls and convolutions on CUDA in TF32 (true) or full float32 (false)
     dist_timeout_s: float = 1800.0  # how long the other ranks wait for rank-0-only work (download, check, checkpoint)
     # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
     # under submitit the job is then requeued and resumes).

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, UserError
 from accutrain.loop import Outcome
+from accutrain.precision import float32_math
 from accutrain.seeding import deterministic_algorithms
 from accutrain.session import train_rank
 from accutrain.signals import SIGNALS, StopRequest, signal_numbers
@@ -57,7 +58,10 @@ def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None) -> 
     (after its checkpoint). `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging).
     The caller owns run_dir: the command line refuses one an earlier run used (accutrain.rundir)."""
     ranks = preflight(cfg)
-    with deterministic_algorithms(cfg.trainer.deterministic):  # before anything runs on CUDA
+    if cfg.trainer.tf32 is not None and ranks.device.type == "cpu":
+        log.info(f"trainer.tf32={str(cfg.trainer.tf32).lower()} changes nothing on the CPU (TF32 is a CUDA format)")
+    # before anything runs on CUDA; a spawned worker sets both again (the settings are per process)
+    with deterministic_algorithms(cfg.trainer.deterministic), float32_math(cfg.trainer.tf32):
         out = _train(cfg, ranks, run_dir, log_config)
     if out is not None and out.stopped_by:
         raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
@@ -78,7 +82,7 @@ def _train(cfg: DictConfig, ranks: Ranks, run_dir: Path, log_config: Optional[di
         return train_rank(World(), cfg, run_dir, device)
     log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
     return spawn(n, train_rank, (cfg, run_dir, device), log_config, cfg.trainer.deterministic,
-                 signal_numbers(cfg.trainer.preempt_signals))
+                 signal_numbers(cfg.trainer.preempt_signals), cfg.trainer.tf32)
 
 
 def torchrun_world() -> Optional[World]:
@@ -119,6 +123,7 @@ class _Job:
     target: Callable[..., Any]
     args: tuple = field(default_factory=tuple)
     deterministic: bool = False  # trainer.deterministic: the settings are per process
+    tf32: Optional[bool] = None  # trainer.tf32: likewise
 
 
 def _worker(local_rank: int, job: _Job) -> None:
@@ -131,7 +136,7 @@ def _worker(local_rank: int, job: _Job) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(world.rank),
                       WORLD_SIZE=str(world.size), LOCAL_RANK=str(world.local_rank))
     try:
-        with deterministic_algorithms(job.deterministic):
+        with deterministic_algorithms(job.deterministic), float32_math(job.tf32):
             result = job.target(world, *job.args)
         if world.main:
             job.results.put(result)
@@ -143,7 +148,7 @@ def _worker(local_rank: int, job: _Job) -> None:
 
 
 def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict],
-          deterministic: bool = False, signals: tuple[int, ...] = SIGNALS) -> Any:
+          deterministic: bool = False, signals: tuple[int, ...] = SIGNALS, tf32: Optional[bool] = None) -> Any:
     """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
 
     A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
@@ -153,7 +158,7 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
     ctx = multiprocessing.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic)
+    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32)
     context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
                                                     start_method="spawn")
 
