@@ -64,9 +64,9 @@ def tolerance(name: str) -> float:
 @contextmanager
 def float32_math(tf32: Optional[bool]) -> Iterator[None]:
     """`trainer.tf32`: inside the block, float32 matrix products, convolutions and RNNs on CUDA compute in
-    TensorFloat-32 (True: ~3× the matmul throughput, ~1e-3 relative error) or in full float32 (False); None changes
-    nothing (PyTorch's defaults: cuDNN's convolutions in TF32, matrix products in float32). The previous settings
-    come back on leaving."""
+    TensorFloat-32 (True: the tensor cores' float32 path, ~1e-3 relative error) or in full float32 (False); None
+    changes nothing (PyTorch's defaults: cuDNN's convolutions in TF32, matrix products in float32). The previous
+    settings come back on leaving."""
     if tf32 is None:
         yield
         return
