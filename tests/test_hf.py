@@ -188,7 +188,7 @@ def test_a_stand_in_adds_exact_zeros_even_with_a_nan_loss_and_leaves_buffers_and
     real, stand_in = Batch(x[:4], y[:4]), Batch(x[4:] * float("inf"), y[4:], stand_in=True)  # a NaN loss
     buffers, rng = [b.clone() for b in model.buffers()], torch.get_rng_state()
     loss = accumulate(model, [stand_in], terms=4, device=cpu)  # the synchronising micro-batch: forwarded
-    assert loss == 0 and all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())  # not NaN
+    assert loss.sum() == 0 and all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())  # not NaN
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers))  # running statistics restored
     assert torch.equal(torch.get_rng_state(), rng)  # dropout's draws forked away
     torch.manual_seed(1)

@@ -32,7 +32,7 @@ def test_accumulated_gradient_equals_big_batch_on_a_short_tail():
     loss_sum = accumulate(model, chunks, terms=14, device=torch.device("cpu"))
     for g, e in zip(grads(model), expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(loss_sum / 14, F.cross_entropy(model(x), y).detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss_sum.sum() / 14, F.cross_entropy(model(x), y).detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_dividing_by_accum_would_be_wrong_on_a_short_tail():
@@ -95,3 +95,21 @@ def test_evaluate_sums_are_sample_weighted_whatever_the_batch():
     assert full[2] == 10 and 0 <= full[1] <= 10
     torch.testing.assert_close(full[0] / 10, F.cross_entropy(model(x), y).detach(), rtol=1e-6, atol=1e-6)
     assert model.training
+
+
+def test_a_kept_backward_seed_gives_the_bits_of_a_multiply():
+    """Precision.backward seeds with weight × ones, kept while the weight stays: micro-batches of two windows
+    (weights 1/7, then 1/5) and a stand-in's 0 in between give, bit for bit, the gradients of (loss × weight)."""
+    from accutrain.precision import make_precision
+
+    precision = make_precision("32", torch.device("cpu"))
+    model, x, y = model_and_data(n=12)
+    for weight, part in [(1 / 7, slice(0, 4)), (1 / 7, slice(4, 7)), (0.0, slice(7, 9)), (1 / 5, slice(9, 12))]:
+        loss = F.cross_entropy(model(x[part]), y[part], reduction="sum")
+        (loss * weight).backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        precision.backward(F.cross_entropy(model(x[part]), y[part], reduction="sum"), weight)
+        assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))
+        model.zero_grad(set_to_none=True)
+    assert precision._seed[0] == 1 / 5 and precision._seed[1].item() == 1 / 5  # the last window's, in float64

@@ -76,10 +76,10 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
         for window, batches in windows_of(c.loader):
             record.start()
             terms, batches = window_terms(c, window, batches)  # |W|: the window's samples (or elements), all ranks
-            loss_sum = accumulate_window(c, p, window, batches, terms)  # forward+backward per micro-batch
+            losses = accumulate_window(c, p, window, batches, terms)  # forward+backward per micro-batch
             if c.buffers:
                 c.buffers.release()  # the window's summed gradients back into .grad
-            w = settle(c, params, s.grad_clip, loss_sum, stop)  # unscale, norm, clip, all-reduce: the one sync
+            w = settle(c, params, s.grad_clip, losses, stop)  # unscale, norm, clip, all-reduce: the one sync
             lr_factor = lr_scaling.scaled_lr(1.0, window.batch, s.lr_scaling, s.base_batch)
             loss, lr = w.loss_sum / terms, c.optimizer.param_groups[0]["lr"] * lr_factor
             skipped = optimizer_step(c, s, loss, w, lr_factor, p)
@@ -102,26 +102,32 @@ def fit(c: Components, metrics: MetricsLog, p: Progress, save: Callable[..., Opt
     return outcome(record, p, None, None)
 
 
-def settle(c: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], loss_sum: torch.Tensor,
+def settle(c: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], losses: torch.Tensor,
            stop: StopRequest) -> Settled:
     """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
-    update do, without step's own wait for the device), the global norm (clipped if asked), and one all-reduce of
-    the loss and the stop votes; then the host reads it all as one small tensor — the step's only synchronisation."""
+    update do, without step's own wait for the device), the global norm (clipped if asked), and with several ranks
+    one all-reduce of the loss and the stop votes; then the host reads it all as one small tensor (`losses`, this
+    rank's micro-batch loss sums, included) — the step's only synchronisation."""
     scaler = c.precision.scaler
-    summed = [loss_sum, torch.full((), float(stop.signum is not None), dtype=torch.float64, device=c.device)]
     if scaler:
         scaler.unscale_(c.optimizer)  # before the norm and clipping
-    norm = grad_norm(params, grad_clip).to(c.device, torch.float64)
-    extra = []
+    figures = [grad_norm(params, grad_clip).to(c.device)]  # global already: DDP averaged the gradients
     if scaler:
         found = list(scaler._found_inf_per_device(c.optimizer).values())  # what scaler.step() would .item()
-        extra = [torch.stack(found).sum().to(c.device, torch.float64) if found else torch.zeros_like(norm)]
+        figures.append(torch.stack(found).sum().to(c.device) if found else torch.zeros_like(figures[0]))
         scaler.update()  # the next window's scale, from the same found-inf flags: a device op, no wait
-        extra.append(scaler._scale.to(c.device, torch.float64))
-    packed = torch.stack([*summed, norm, *extra])
-    dist.all_reduce_sum(packed[:2], c.world)  # the norm is already global: DDP averaged the gradients
-    values = packed.tolist()
-    return Settled(values[0], values[2], bool(values[1]), *((values[3] > 0, values[4]) if scaler else ()))
+        figures.append(scaler._scale.to(c.device))
+    stopping = stop.signum is not None
+    if c.world.size > 1:  # every rank's loss and stop vote, summed: (loss, votes)
+        losses = dist.all_reduce_sum(torch.stack([losses.sum(dtype=torch.float64), torch.tensor(
+            float(stopping), dtype=torch.float64, device=c.device)]), c.world)
+    values = torch.cat([losses, torch.stack(figures)]).tolist()  # the one wait; floats exact in float64
+    n = len(losses)
+    if c.world.size > 1:
+        loss_sum, stopping = values[0], values[1] > 0
+    else:
+        loss_sum = sum(values[:n])  # the micro-batches' sums, added in float64
+    return Settled(loss_sum, values[n], stopping, *((values[n + 1] > 0, values[n + 2]) if scaler else ()))
 
 
 def outcome(record: StepLog, p: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],

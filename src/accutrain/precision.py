@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ContextManager, Iterator, Optional
 
 import torch
@@ -19,6 +19,7 @@ class Precision:
     autocast_dtype: Optional[torch.dtype]  # the forward's compute dtype under autocast, or None
     param_dtype: torch.dtype  # the weights' dtype
     scaler: Optional[torch.amp.GradScaler]  # 16-mixed only: scale/unscale/step/update once per optimizer step
+    _seed: Optional[tuple[float, torch.Tensor]] = field(default=None, repr=False, compare=False)  # backward's last
 
     def autocast(self) -> ContextManager:
         if self.autocast_dtype is None:
@@ -28,13 +29,18 @@ class Precision:
     def backward(self, loss: torch.Tensor, weight: float = 1.0) -> None:
         """Backpropagate weight × loss (× the GradScaler's scale with 16-mixed). Without a scaler the weight seeds the
         backward instead of a multiply in the graph: the same bits (a multiply's backward passes the weight, rounded
-        to the loss's dtype, down), one node and a ones tensor fewer per micro-batch."""
+        to the loss's dtype, down), one node fewer per micro-batch; the seed tensor is kept while the weight stays (a
+        window's micro-batches share it: autograd only reads it)."""
         if self.scaler:
             self.scaler.scale(loss * weight).backward()
         elif weight == 1.0:
             loss.backward()
         else:
-            loss.backward(torch.full_like(loss, weight))
+            seed = self._seed[1] if self._seed is not None and self._seed[0] == weight else None
+            if seed is None or (seed.dtype, seed.device, seed.shape) != (loss.dtype, loss.device, loss.shape):
+                seed = torch.full_like(loss, weight)  # made once per window (its weight), not per micro-batch
+                self._seed = (weight, seed)
+            loss.backward(seed)
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Floating inputs in the weights' dtype when the weights are half precision; others as they are."""

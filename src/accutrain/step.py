@@ -111,11 +111,12 @@ def accumulate(
     Micro-batches are taken one at a time and backward runs on each, so only one micro-batch's activations are
     alive at a time. Gradients are synchronised across ranks on the last micro-batch only. A stand-in batch (this
     rank's share of a short window is empty) is skipped under no_sync; on the synchronising micro-batch it is
-    forwarded and backpropagates exact zeros, so the all-reduce happens. Returns this rank's summed loss.
+    forwarded and backpropagates exact zeros, so the all-reduce happens. Returns this rank's summed losses, one per
+    micro-batch (stand-ins left out), still on the device: the loop reads them with its one synchronisation.
     """
     precision = precision or FP32
     scale = world / terms
-    parts: list[torch.Tensor] = []  # the micro-batches' summed losses, added once at the end (in float64)
+    parts: list[torch.Tensor] = []  # the micro-batches' summed losses
     batches = iter(micro_batches)
     batch = next(batches, None)
     while batch is not None:
@@ -135,7 +136,7 @@ def accumulate(
         if not batch.stand_in:
             parts.append(loss_sum.detach())
         batch = following
-    return torch.stack(parts).to(torch.float64).sum() if parts else torch.zeros((), device=device, dtype=torch.float64)
+    return torch.stack(parts) if parts else torch.zeros(0, device=device)
 
 
 def pieces(n: int, parts: int) -> int:
