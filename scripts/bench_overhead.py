@@ -18,6 +18,11 @@ figure — `--threads 1`).
     python scripts/bench_overhead.py --rounds 7 model=mlp micro_batch=8 accum=8
     python scripts/bench_overhead.py --device cuda accum=4                # on a GPU (scripts/gpu_check.sh)
     python scripts/bench_overhead.py --clock cpu --threads 1 --rounds 9 model=mlp micro_batch=8 accum=8
+    python scripts/bench_overhead.py --hand-loader gather --clock cpu --threads 1 model=mlp micro_batch=8 accum=8
+
+accutrain's train loader takes a micro-batch of in-memory tensors (the digits, generated data) with one indexing per
+tensor; the textbook loop's DataLoader fetches and stacks it sample by sample. `--hand-loader gather` gives the hand
+loop the same one-indexing batches, so that what is left between the two is accutrain's own bookkeeping.
 """
 from __future__ import annotations
 
@@ -78,15 +83,30 @@ def steady_rate(times: list[float], samples: list[int], warmup: int) -> float:
     return sum(samples[warmup + 1 :]) / (times[-1] - times[warmup])
 
 
-def hand_written(cfg, steps: int, warmup: int) -> float:
+def gathered(dataset, micro_batch: int, seed: int):
+    """Micro-batches of in-memory tensors, each taken with one indexing from a shuffled order (what a hand-written
+    loop does without a DataLoader when the data is two tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        for index in torch.randperm(len(dataset), generator=g).split(micro_batch):
+            yield dataset.images[index], dataset.labels[index]
+
+
+def hand_written(cfg, steps: int, warmup: int, loader: str = "dataloader") -> float:
     r = setup(cfg)  # the same model (seed), data and optimizer as accutrain's; only the loop is the textbook one
     model, optimizer, accum = r.model, r.optimizer, r.plan.accum
-    loader = DataLoader(r.loader.dataset.dataset, batch_size=cfg.micro_batch, shuffle=True,
-                        pin_memory=r.device.type == "cuda", generator=torch.Generator().manual_seed(cfg.seed))
+    dataset = r.loader.dataset.dataset
+    if loader == "gather":
+        if not hasattr(dataset, "images"):
+            sys.exit(f"--hand-loader gather needs data held as tensors (digits, synthetic), not {cfg.data._target_}")
+        batches = gathered(dataset, cfg.micro_batch, cfg.seed)
+    else:
+        batches = DataLoader(dataset, batch_size=cfg.micro_batch, shuffle=True, pin_memory=r.device.type == "cuda",
+                             generator=torch.Generator().manual_seed(cfg.seed))
     times, samples, window = [], [], 0
     model.train()
     while len(times) < steps:
-        for i, (x, y) in enumerate(loader):
+        for i, (x, y) in enumerate(batches):
             x, y = x.to(r.device, non_blocking=True), y.to(r.device, non_blocking=True)
             loss = F.cross_entropy(model(x), y) / accum
             loss.backward()
@@ -122,6 +142,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: the process's CPU time")
     ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
+    ap.add_argument("--hand-loader", choices=("dataloader", "gather"), default="dataloader",
+                    help="the hand loop's batches: torch's DataLoader (the textbook loop), or in-memory tensors "
+                         "indexed per micro-batch as accutrain's loader takes them (then the difference is "
+                         "accutrain's bookkeeping alone)")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
     args = ap.parse_args()
     overrides = args.overrides or ["accum=4"]
@@ -141,8 +165,11 @@ def main() -> None:
     print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed; "
           f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     hand, ours = [], []
+    def hand_side(cfg, steps: int, warmup: int) -> float:
+        return hand_written(cfg, steps, warmup, args.hand_loader)
+
     for r in range(args.rounds):  # which side runs first alternates: neither always inherits the other's heap
-        for side in ((hand_written, hand), (accutrain_loop, ours))[:: 1 if r % 2 == 0 else -1]:
+        for side in ((hand_side, hand), (accutrain_loop, ours))[:: 1 if r % 2 == 0 else -1]:
             side[1].append(side[0](cfg, args.steps, args.warmup))
         print(f"round {r + 1}: hand-written {hand[-1]:8.1f} samples/s   accutrain {ours[-1]:8.1f} samples/s   "
               f"ratio {ours[-1] / hand[-1]:.3f}")

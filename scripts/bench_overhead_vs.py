@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=20, help="first optimizer steps not timed")
+    ap.add_argument("--hand-loader", choices=("dataloader", "gather"), default="dataloader",
+                    help="the hand loop's batches (bench_overhead.py --help)")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: model=mlp micro_batch=8 accum=8)")
     args = ap.parse_intermixed_args()
     overrides = ["trainer.device=cpu", *(args.overrides or ["model=mlp", "micro_batch=8", "accum=8"])]
@@ -87,7 +89,8 @@ def main() -> None:
 
         cfg = compose(*overrides)
         per_step = 1e6 * cfg.micro_batch * cfg.accum  # samples/s → µs per optimizer step
-        sides = {"hand-written": lambda: per_step / bench_overhead.hand_written(cfg, args.steps, args.warmup),
+        sides = {"hand-written": lambda: per_step / bench_overhead.hand_written(cfg, args.steps, args.warmup,
+                                                                                   args.hand_loader),
                  args.rev: lambda: accutrain_side(old, overrides, args.steps, args.warmup),
                  "working tree": lambda: accutrain_side("accutrain", overrides, args.steps, args.warmup)}
         names, results = list(sides), {name: [] for name in sides}

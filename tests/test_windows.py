@@ -98,3 +98,55 @@ def test_the_loader_walks_the_sampler_once_and_groups_micro_batches_by_window():
     assert [window.sizes for window, _ in seen] == [(4, 4), (0,)]  # the last window's 4 samples are rank 0's
     assert seen[-1][1] == [[]]  # a stand-in: two real samples that count for nothing
 
+
+
+def sampled_micro_batches(rank, n=35, micro_batch=4, accum=2, devices=2):
+    """The micro-batches rank `rank` reads in one epoch: windows of 16, 16 and 3 samples, so rank 0 reads a short
+    micro-batch of 3 last, and rank 1 an empty share (a stand-in)."""
+    plan = make_plan(micro_batch=micro_batch, accum=accum, devices=devices, global_batch=None, train_size=n,
+                     last_window=LastWindow.step, epochs=1, max_steps=None)
+    return plan, WindowSampler(plan, 3, rank, devices)
+
+
+def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
+    """A micro-batch of in-memory tensors is taken in one indexing: the very tensors (values, dtype, shape, layout)
+    that torch's default collate stacks from the items one by one."""
+    from accutrain.batches import BatchFormat
+    from accutrain.data import InMemory
+    from accutrain.windows import WindowData
+
+    g = torch.Generator().manual_seed(0)
+    data = InMemory(torch.randn(37, 3, 5, 5, generator=g), torch.randint(0, 10, (37,), generator=g))
+    gathered = WindowData(data)
+    assert gathered.gather is not None
+    sizes = set()
+    for micro_batch in (mb for rank in (0, 1) for mb in sampled_micro_batches(rank)[1]):
+        window, batch = gathered.__getitems__(micro_batch)
+        assert window is micro_batch.window
+        sizes.add(len(batch))
+        if not micro_batch:
+            assert batch.stand_in
+            continue
+        collated = BatchFormat()([data[i] for i in micro_batch])
+        for ours, theirs in ((batch.inputs, collated.inputs), (batch.target, collated.target)):
+            assert torch.equal(ours, theirs)
+            assert (ours.dtype, ours.shape, ours.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
+    assert sizes == {4, 3, 0}  # full, short and empty shares were all read
+    # A collate of the data's own, or MixUp/CutMix, takes the items one by one as before.
+    assert WindowData(data, BatchFormat(collate=lambda items: BatchFormat()(items))).gather is None
+
+
+def test_the_loader_reads_the_same_batches_in_process_and_in_worker_processes():
+    """num_workers=0 reads each micro-batch in this process, without torch's DataLoader; with workers the
+    DataLoader reads them. Both yield the same windows and the same tensors, stand-ins included."""
+    from accutrain.windows import InProcessLoader
+
+    data = torch.utils.data.TensorDataset(torch.randn(35, 6), torch.arange(35))
+    plan, sampler = sampled_micro_batches(rank=1)
+    here = window_loader(data, sampler, num_workers=0, pin_memory=False, generator=torch.Generator())
+    workers = window_loader(data, sampler, num_workers=1, pin_memory=False, generator=torch.Generator())
+    assert isinstance(here, InProcessLoader) and isinstance(workers, torch.utils.data.DataLoader)
+    assert len(here) == len(workers) == len(sampler)
+    for ours, theirs in zip(list(here), list(workers), strict=True):
+        assert ours[0] == theirs[0] and ours[1].stand_in == theirs[1].stand_in
+        assert torch.equal(ours[1].inputs, theirs[1].inputs) and torch.equal(ours[1].target, theirs[1].target)

@@ -9,9 +9,10 @@ micro-batch's own longest (dynamic padding).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping  # isinstance against typing.Mapping costs several Python calls
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class Batch:
     stand_in: bool = False
 
     def __len__(self) -> int:
-        return 0 if self.stand_in else len(self.target)
+        return 0 if self.stand_in else self.target.shape[0]  # len(tensor) is Python code in torch
 
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same batch with `fn` applied to every tensor (inputs and target)."""

@@ -28,7 +28,7 @@ from accutrain.seeding import seed_everything
 from accutrain.step import SummedLoss, make_loss
 from accutrain.strategy import Strategy
 from accutrain.targets import accepted, factory
-from accutrain.windows import WindowSampler, window_loader
+from accutrain.windows import InProcessLoader, WindowSampler, window_loader
 
 log = logging.getLogger("accutrain")
 
@@ -47,7 +47,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: WindowSampler
-    loader: DataLoader  # yields (window, micro-batch) in the sampler's order
+    loader: DataLoader | InProcessLoader  # yields (window, micro-batch) in the sampler's order
     val_loader: DataLoader
     precision: Precision
     buffers: Optional[memory.GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from accutrain.batches import Batch, BatchFormat
 from accutrain.mixing import Mix, Mixer
@@ -115,6 +115,11 @@ class WindowData(Dataset):
                  mixer: Optional[Mixer] = None) -> None:
         self.dataset, self.format, self.stand_in, self.mixer = dataset, batch_format, stand_in, mixer
         self._empty: Optional[Batch] = None
+        # A dataset of in-memory tensors (accutrain.data.InMemory) gathers a micro-batch in one indexing, where torch's
+        # own collate would stack the same rows item by item.
+        plain = batch_format.collate is default_collate and mixer is None
+        self.gather: Optional[Callable[[list[int]], tuple[Any, Any]]] = getattr(dataset, "gather", None) if plain \
+            else None
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -136,6 +141,8 @@ class WindowData(Dataset):
                 else:
                     self._empty = self.format(self.unmixed([self.dataset[0]])).head(0)
             return micro_batch.window, self._empty
+        if self.gather is not None:
+            return micro_batch.window, Batch(*self.gather(micro_batch))
         epoch = micro_batch.window.epoch
         items = [self.item(epoch, i) for i in micro_batch]
         if self.mixer is not None and micro_batch.mixes is not None:
@@ -152,15 +159,35 @@ def _collated(item: tuple[Window, Batch]) -> tuple[Window, Batch]:
     return item  # WindowData.__getitems__ collates already
 
 
+class InProcessLoader:
+    """The train loader without worker processes: each of the sampler's micro-batches read in this process when the
+    loop asks for it, as torch's DataLoader reads them with num_workers=0 — without its per-batch machinery (a
+    profiler range, the fetcher, the bookkeeping of its worker protocol), which costs as much per micro-batch as a
+    small model's forward."""
+
+    def __init__(self, dataset: WindowData, sampler: WindowSampler, pin_memory: bool) -> None:
+        self.dataset, self.batch_sampler, self.pin_memory = dataset, sampler, pin_memory
+
+    def __iter__(self) -> Iterator[tuple[Window, Batch]]:
+        for micro_batch in self.batch_sampler:
+            window, batch = self.dataset.__getitems__(micro_batch)
+            yield window, batch.pin_memory() if self.pin_memory else batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
 def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
                   generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True
-                  ) -> DataLoader:
+                  ) -> DataLoader | InProcessLoader:
     """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order
-    (mixed as the sampler's mixer draws them)."""
-    return DataLoader(WindowData(dataset, batch_format, stand_in, sampler.mixer), batch_sampler=sampler,
-                      collate_fn=_collated,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                      generator=generator)
+    (mixed as the sampler's mixer draws them) — read in this process, or by torch's DataLoader in `num_workers`
+    worker processes (seeded from `generator`)."""
+    windows = WindowData(dataset, batch_format, stand_in, sampler.mixer)
+    if num_workers == 0:
+        return InProcessLoader(windows, sampler, pin_memory)
+    return DataLoader(windows, batch_sampler=sampler, collate_fn=_collated, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=True, generator=generator)
 
 
 def windows_of(loader: Iterable[tuple[Window, Any]]) -> Iterator[tuple[Window, Iterator[Any]]]:
