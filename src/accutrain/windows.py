@@ -162,8 +162,8 @@ def _collated(item: tuple[Window, Batch]) -> tuple[Window, Batch]:
 class InProcessLoader:
     """The train loader without worker processes: each of the sampler's micro-batches read in this process when the
     loop asks for it, as torch's DataLoader reads them with num_workers=0 — without its per-batch machinery (a
-    profiler range, the fetcher, the bookkeeping of its worker protocol), which costs as much per micro-batch as a
-    small model's forward."""
+    profiler range, the fetcher, the bookkeeping of its worker protocol), measured at ≈ 6 % of a small MLP's optimizer
+    step (docs/benchmarks.md)."""
 
     def __init__(self, dataset: WindowData, sampler: WindowSampler, pin_memory: bool) -> None:
         self.dataset, self.batch_sampler, self.pin_memory = dataset, sampler, pin_memory
