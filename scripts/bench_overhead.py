@@ -165,6 +165,7 @@ def main() -> None:
     print(f"config: {' '.join(overrides)}; {args.steps} optimizer steps per run, first {args.warmup} untimed; "
           f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     hand, ours = [], []
+
     def hand_side(cfg, steps: int, warmup: int) -> float:
         return hand_written(cfg, steps, warmup, args.hand_loader)
 
