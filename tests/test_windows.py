@@ -7,10 +7,14 @@ from accutrain.plan import make_plan
 from accutrain.windows import WindowSampler, epoch_order, rank_share, window_loader, windows_of
 
 
-def windows(micro_batch, accum, devices=1, rank=0, n=110, seed=0, epoch=0, last_window=LastWindow.step):
+def sampler_of(micro_batch, accum, devices=1, rank=0, n=110, seed=0, last_window=LastWindow.step):
     plan = make_plan(micro_batch=micro_batch, accum=accum, devices=devices, global_batch=None, train_size=n,
                      last_window=last_window, epochs=1, max_steps=None)
-    sampler = WindowSampler(plan, seed, rank, devices)
+    return WindowSampler(plan, seed, rank, devices)
+
+
+def windows(micro_batch, accum, devices=1, rank=0, n=110, seed=0, epoch=0, last_window=LastWindow.step):
+    sampler = sampler_of(micro_batch, accum, devices, rank, n, seed, last_window)
     sampler.set_epoch(epoch)
     return list(sampler.windows())
 
@@ -99,13 +103,10 @@ def test_the_loader_walks_the_sampler_once_and_groups_micro_batches_by_window():
     assert seen[-1][1] == [[]]  # a stand-in: two real samples that count for nothing
 
 
-
-def sampled_micro_batches(rank, n=35, micro_batch=4, accum=2, devices=2):
-    """The micro-batches rank `rank` reads in one epoch: windows of 16, 16 and 3 samples, so rank 0 reads a short
-    micro-batch of 3 last, and rank 1 an empty share (a stand-in)."""
-    plan = make_plan(micro_batch=micro_batch, accum=accum, devices=devices, global_batch=None, train_size=n,
-                     last_window=LastWindow.step, epochs=1, max_steps=None)
-    return plan, WindowSampler(plan, 3, rank, devices)
+def two_ranks_sampler(rank):
+    """Rank `rank` of 2 on 35 samples in windows of 16, 16 and 3: rank 0 reads a short micro-batch of 3 last, and
+    rank 1 an empty share (a stand-in)."""
+    return sampler_of(micro_batch=4, accum=2, devices=2, rank=rank, n=35, seed=3)
 
 
 def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
@@ -120,7 +121,7 @@ def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
     gathered = WindowData(data)
     assert gathered.gather is not None
     sizes = set()
-    for micro_batch in (mb for rank in (0, 1) for mb in sampled_micro_batches(rank)[1]):
+    for micro_batch in (mb for rank in (0, 1) for mb in two_ranks_sampler(rank)):
         window, batch = gathered.__getitems__(micro_batch)
         assert window is micro_batch.window
         sizes.add(len(batch))
@@ -142,7 +143,7 @@ def test_the_loader_reads_the_same_batches_in_process_and_in_worker_processes():
     from accutrain.windows import InProcessLoader
 
     data = torch.utils.data.TensorDataset(torch.randn(35, 6), torch.arange(35))
-    plan, sampler = sampled_micro_batches(rank=1)
+    sampler = two_ranks_sampler(rank=1)
     here = window_loader(data, sampler, num_workers=0, pin_memory=False, generator=torch.Generator())
     workers = window_loader(data, sampler, num_workers=1, pin_memory=False, generator=torch.Generator())
     assert isinstance(here, InProcessLoader) and isinstance(workers, torch.utils.data.DataLoader)
