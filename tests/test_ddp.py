@@ -96,7 +96,7 @@ def test_multirun_jobs_launch_their_own_workers(tmp_path):
 
 def test_torchrun_world_equals_the_spawned_one(tmp_path):
     args = [*UNEVEN, "trainer.epochs=1", "micro_batch=8", "accum=2"]
-    spawned, _ = train_run(tmp_path, "spawned", *args, "devices=2")
+    spawned, _ = train_here(tmp_path, "spawned", *args, "devices=2")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "accutrain", *args, "devices=auto", f"hydra.run.dir={tmp_path / 'torchrun'}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -116,3 +116,25 @@ def test_torchrun_with_devices_disagreeing_is_refused(tmp_path):
     ours = [line for line in proc.stderr.splitlines() if "devices=3 but torchrun started 2 processes" in line]
     assert sorted(line.startswith("[rank 1]") for line in ours) == [False, True], proc.stderr  # once per rank
     assert "accutrain/" not in proc.stderr  # no traceback through accutrain (torchrun prints its own report)
+
+
+def rank_environment(world, key: str) -> tuple[int, str, str]:
+    """A worker's view: (its rank, the variable `key`, its RANK variable)."""
+    import os
+
+    return world.rank, os.environ.get(key, ""), os.environ["RANK"]
+
+
+def test_workers_start_from_the_fork_server_with_the_environment_of_the_moment(monkeypatch):
+    """Workers fork from a server that imported accutrain once; each still sees the environment its parent had
+    when it started them (as a spawned one would), not the server's from when it started."""
+    import multiprocessing
+
+    from accutrain.launch import spawn, start_method
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert start_method() == "forkserver"
+    monkeypatch.setenv("ACCUTRAIN_TEST_PROBE", "first")
+    assert spawn(2, rank_environment, ("ACCUTRAIN_TEST_PROBE",), None) == (0, "first", "0")
+    monkeypatch.setenv("ACCUTRAIN_TEST_PROBE", "second")  # the server is running now
+    assert spawn(2, rank_environment, ("ACCUTRAIN_TEST_PROBE",), None) == (0, "second", "0")

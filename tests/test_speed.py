@@ -125,7 +125,8 @@ def test_metrics_are_buffered_between_flushes(tmp_path):
     assert (tmp_path / "m.jsonl").read_text().count("\n") == 3
 
 
-def test_peak_rss_follows_a_reset():
+def peak_rss_around_a_block() -> tuple[float, float, float]:
+    """(peak before, with and after a 256 MiB block), each read after a reset but the one with the block."""
     size = 256 * 2**20
     memory.reset_peak(torch.device("cpu"))
     base = memory.peak_mb(torch.device("cpu"))
@@ -135,7 +136,26 @@ def test_peak_rss_follows_a_reset():
     block.close()
     memory.reset_peak(torch.device("cpu"))
     after = memory.peak_mb(torch.device("cpu"))
+    return base, high, after
+
+
+def test_peak_rss_follows_a_reset():
+    base, high, after = peak_rss_around_a_block()
     assert high - base >= 250 and high - after >= 200, (base, high, after)
+
+
+def test_a_forked_process_resets_and_reads_its_own_peak():
+    """A worker forked from the fork server (accutrain.launch) measures itself, not the server whose /proc files
+    it inherited."""
+    memory.peak_mb(torch.device("cpu"))  # the /proc files open in this process
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it (never pytest's own exit path)
+        try:
+            base, high, after = peak_rss_around_a_block()
+            os._exit(0 if high - base >= 250 and high - after >= 200 else 3)
+        except BaseException:
+            os._exit(4)
+    assert os.waitpid(pid, 0)[1] >> 8 == 0
 
 
 # --- glibc's allocator ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Starting the ranks: one process, `devices` spawned worker processes on this machine, or one rank of the world
-torchrun (or any launcher setting RANK/WORLD_SIZE/LOCAL_RANK) started. Each rank then runs session.train_rank."""
+"""Starting the ranks: one process, `devices` worker processes on this machine (start_method), or one rank of the
+world torchrun (or any launcher setting RANK/WORLD_SIZE/LOCAL_RANK) started. Each rank then runs session.train_rank."""
 from __future__ import annotations
 
 import logging
@@ -93,7 +93,7 @@ def torchrun_world() -> Optional[World]:
     return World(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
 
 
-# --- spawning workers on one machine -------------------------------------------------------------------
+# --- starting workers on one machine -------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,9 +124,13 @@ class _Job:
     args: tuple = field(default_factory=tuple)
     deterministic: bool = False  # trainer.deterministic: the settings are per process
     tf32: Optional[bool] = None  # trainer.tf32: likewise
+    environ: dict[str, str] = field(default_factory=dict)  # the parent's environment when it started the workers
 
 
 def _worker(local_rank: int, job: _Job) -> None:
+    if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
+        os.environ.clear()
+        os.environ.update(job.environ)
     world = World(local_rank, job.nprocs, local_rank)
     if world.main and job.log_config:
         logging.config.dictConfig(job.log_config)
@@ -147,20 +151,32 @@ def _worker(local_rank: int, job: _Job) -> None:
         leave_process_group()
 
 
+def start_method() -> str:
+    """How workers start: forked from a fork server that imported accutrain (and PyTorch) once — a worker then starts
+    without importing them again (seconds each) — where the platform has one, else spawned. Neither forks a process
+    that has run anything: the server has only imported, and CUDA is never initialised before a worker starts."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+    return "forkserver"
+
+
 def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict],
           deterministic: bool = False, signals: tuple[int, ...] = SIGNALS, tf32: Optional[bool] = None) -> Any:
-    """Run target(world, *args) in `nprocs` fresh processes and return rank 0's result.
+    """Run target(world, *args) in `nprocs` fresh processes (start_method) and return rank 0's result.
 
     A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
     with the failing rank's traceback. One of `signals` (the preemption signals) sent to this process is passed on
     to the workers, which stop together after their current optimizer step.
     """
-    ctx = multiprocessing.get_context("spawn")
+    method = start_method()
+    ctx = multiprocessing.get_context(method)
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32)
+    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32,
+               dict(os.environ))
     context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
-                                                    start_method="spawn")
+                                                    start_method=method)
 
     def pass_on(signum: int) -> None:
         for process in context.processes:

@@ -32,9 +32,19 @@ class _PeakRSS:
     PROBE = 32 * 2**20  # the check's short-lived peak
 
     def __init__(self) -> None:
-        self.clear_refs: Optional[int] = self._open("/proc/self/clear_refs", os.O_WRONLY)
-        self.status: Optional[int] = self._open("/proc/self/status", os.O_RDONLY)
-        self.rusage_follows: Optional[bool] = None  # known at the first reading
+        self.clear_refs: Optional[int] = None
+        self.status: Optional[int] = None
+        self.rusage_follows: Optional[bool] = None  # known at the first reading (the kernel's, kept across a fork)
+        self.open()
+
+    def open(self) -> None:
+        """Open this process's files; again in a forked child (a worker forked from accutrain.launch's fork server),
+        whose inherited descriptors name its parent's: /proc/self is resolved when a file is opened."""
+        for fd in (self.clear_refs, self.status):
+            if fd is not None:
+                os.close(fd)
+        self.clear_refs = self._open("/proc/self/clear_refs", os.O_WRONLY)
+        self.status = self._open("/proc/self/status", os.O_RDONLY)
 
     @staticmethod
     def _open(path: str, flags: int) -> Optional[int]:
@@ -76,6 +86,7 @@ class _PeakRSS:
 
 
 _PEAK_RSS = _PeakRSS()
+os.register_at_fork(after_in_child=_PEAK_RSS.open)
 
 
 def reset_peak(device: torch.device) -> None:
