@@ -22,6 +22,7 @@ from accutrain import __version__, rundir
 from accutrain.config import OWN_KEYS, config_dir, register_schemas
 from accutrain.config_check import explain, override_key, refuse_unknown_keys
 from accutrain.errors import UserError
+from accutrain.validate import validate
 
 CONFIG_NAME = "train"
 SCHEMA_SUFFIX = "_schema"
@@ -168,15 +169,16 @@ def output_dir(cfg: DictConfig, mode: str, pins: list[str]) -> Path:
 def check_run(cfg: DictConfig, task: DictConfig, decide: bool, pins: list[str]) -> None:
     """A single run: the values and the machine (launch.preflight), then — in the process that decides — its run
     directory: not an earlier run's (unless continued or replaced), writable, its log file too."""
+    if decide:
+        run_dir = output_dir(cfg, "run", pins)
+        if run_dir.is_dir():
+            rundir.check_reuse(run_dir, task)
+    validate(task)  # the values, before PyTorch is imported (seconds): a mistake in one is answered at once
     from accutrain.launch import preflight
 
-    if not decide:
-        preflight(task)
-        return
-    run_dir = output_dir(cfg, "run", pins)
-    if run_dir.is_dir():
-        rundir.check_reuse(run_dir, task)
     preflight(task)
+    if not decide:
+        return
     make_output_dir(run_dir, "hydra.run.dir")
     has_log = OmegaConf.select(cfg, "hydra.job_logging.handlers.file") is not None
     rundir.check_writable(run_dir, run_dir / f"{cfg.hydra.job.name}.log" if has_log else None)

@@ -16,33 +16,6 @@ from typing import Any, ContextManager, Optional
 import torch
 from torch import nn
 
-from accutrain.errors import UserError
-
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def check_settings(trainer: Any) -> None:
-    """trainer.compile, compile_mode and compile_backend: one line for what cannot work."""
-    if trainer.compile_mode is not None and trainer.compile_mode not in MODES:
-        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is not valid: expected one of "
-                        f"{', '.join(MODES)}, or null")
-    if not trainer.compile:
-        if trainer.compile_mode is not None:
-            raise UserError(f"trainer.compile_mode={trainer.compile_mode} does nothing without trainer.compile=true")
-        return
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        raise UserError("trainer.compile=true: torch.compile does not support this Python/PyTorch; "
-                        "use trainer.compile=false")
-    backends = torch._dynamo.list_backends(exclude_tags=())
-    if trainer.compile_backend not in backends:
-        raise UserError(f"trainer.compile_backend={trainer.compile_backend} is not valid: expected one of "
-                        f"{', '.join(sorted(backends))}")
-    if trainer.compile_mode is not None and trainer.compile_backend != "inductor":
-        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is a mode of the inductor backend, not of "
-                        f"trainer.compile_backend={trainer.compile_backend}")
-
 
 def compile_model(model: nn.Module, mode: Optional[str], backend: str) -> None:
     """Compile `model` in place (its first call compiles); WATCH counts graphs and seconds from here.
@@ -62,8 +35,10 @@ def compile_model(model: nn.Module, mode: Optional[str], backend: str) -> None:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether `model` (or the module a DDP wrapper holds) was compiled in place."""
-    return getattr(getattr(model, "module", model), "_compiled_call_impl", None) is not None
+    """Whether `model` (or the module a DDP wrapper holds) was compiled in place. Asked once per micro-batch: a
+    module's __getattr__ for an attribute it lacks raises inside, so the wrapper's `module` is looked up by type."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return getattr(inner, "_compiled_call_impl", None) is not None
 
 
 def eager(model: nn.Module, samples: Optional[int] = None) -> ContextManager:

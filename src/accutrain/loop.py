@@ -160,10 +160,14 @@ def accumulate_window(c: Components, p: Progress, window: Window, batches: Itera
     batches, loaded = iter(batches), []
 
     def micro_batches() -> Iterator[Any]:
-        yield from cut_micro_batches(loaded, p.oom_parts)
+        parts = p.oom_parts
+        yield from cut_micro_batches(loaded, parts)
         for batch in batches:
             loaded.append(batch)
-            yield from cut_micro_batches([batch], p.oom_parts)
+            if parts == 1:
+                yield batch
+            else:
+                yield from cut_micro_batches([batch], parts)
 
     while True:
         try:

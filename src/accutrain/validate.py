@@ -8,11 +8,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from accutrain import compiled
 from accutrain.errors import UserError
 from accutrain.monitor import METRICS
 from accutrain.schemas import LRScaling
 from accutrain.signals import UNCATCHABLE
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # trainer.compile_mode
 
 
 def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
@@ -98,7 +99,7 @@ def validate(cfg: DictConfig) -> None:
                         "evaluations, or null")
     if t.min_delta < 0:
         raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
-    compiled.check_settings(t)
+    validate_compile(t)
     augment_and_loss(cfg)
     for name in t.preempt_signals:
         if name not in signal.Signals.__members__ or name in UNCATCHABLE:
@@ -168,3 +169,26 @@ def validate_strategy(cfg: DictConfig) -> None:
     for bad, key, remedy in refused:
         if bad:
             raise UserError(f"strategy=fsdp cannot be combined with {key}: {remedy}")
+
+
+def validate_compile(trainer: Any) -> None:
+    """trainer.compile, compile_mode and compile_backend: one line for what cannot work."""
+    if trainer.compile_mode is not None and trainer.compile_mode not in COMPILE_MODES:
+        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is not valid: expected one of "
+                        f"{', '.join(COMPILE_MODES)}, or null")
+    if not trainer.compile:
+        if trainer.compile_mode is not None:
+            raise UserError(f"trainer.compile_mode={trainer.compile_mode} does nothing without trainer.compile=true")
+        return
+    import torch._dynamo  # here, not above: the other checks run before the command line imports PyTorch
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise UserError("trainer.compile=true: torch.compile does not support this Python/PyTorch; "
+                        "use trainer.compile=false")
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if trainer.compile_backend not in backends:
+        raise UserError(f"trainer.compile_backend={trainer.compile_backend} is not valid: expected one of "
+                        f"{', '.join(sorted(backends))}")
+    if trainer.compile_mode is not None and trainer.compile_backend != "inductor":
+        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is a mode of the inductor backend, not of "
+                        f"trainer.compile_backend={trainer.compile_backend}")
