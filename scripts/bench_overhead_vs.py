@@ -50,6 +50,8 @@ def accutrain_side(package: str, overrides: list[str], steps: int, warmup: int) 
     """µs per optimizer step of `package`'s fit on the config."""
     m = {k: importlib.import_module(f"{package}.{k}") for k in ("build", "config", "dist", "loop", "metrics",
                                                                 "progress", "signals")}
+    # Both packages store their schemas in Hydra's one ConfigStore: this side's, again, before it composes.
+    getattr(m["config"].register_schemas, "cache_clear", lambda: None)()
     cfg = m["config"].compose(*overrides)
     cfg.trainer.epochs, cfg.trainer.max_steps, cfg.trainer.eval_every = None, steps, 10**9
     c = m["build"].build(cfg, m["dist"].World(), torch.device(cfg.trainer.device))

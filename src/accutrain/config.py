@@ -9,6 +9,7 @@ cannot express are in accutrain.validate.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -226,8 +227,11 @@ OWN_KEYS = {
 }
 
 
+@functools.cache
 def register_schemas() -> None:
-    """Put the schemas in Hydra's ConfigStore (idempotent); the yaml files name them in their defaults."""
+    """Put the schemas in Hydra's ConfigStore, once per process (storing converts every dataclass to a config: a
+    tenth of a second, which every composition would otherwise pay again); the yaml files name them in their
+    defaults."""
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)
