@@ -38,7 +38,10 @@ TINY_DATA = ["debug=fast"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """`cuda`-marked tests skip, saying so, where no CUDA device is visible."""
+    """The `slow` tests first (a stable sort), so that pytest-xdist's workers start on the longest ones rather than
+    one worker finishing the last of them alone; `cuda`-marked tests skip, saying so, where no CUDA device is
+    visible."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m cuda on a GPU machine: scripts/gpu_check.sh)")

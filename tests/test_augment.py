@@ -204,7 +204,7 @@ def test_an_unknown_recipe_is_one_line_from_the_command_line(tmp_path):
 def test_sigkilled_augmented_and_mixed_run_resumes_bit_identical(slow):
     args = [*RUN, "augment=crop_flip", "augment.padding=2", "augment.mixup_alpha=0.4", "augment.cutmix_alpha=1.0",
             "augment.mix_mode=sample", "loss.label_smoothing=0.1"]
-    reference, _ = train_run(slow, "reference", *args)
+    reference, _ = train_here(slow, "reference", *args)
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", random.Random().randint(2, 10), proc)
     proc.kill()

@@ -105,7 +105,7 @@ def test_resuming_with_another_schedule_is_refused(tmp_path):
 @pytest.mark.slow
 def test_killed_mid_ramp_and_resumed_ends_bit_identical(slow):
     args = [*(a for a in RUN if not a.startswith("accum=")), *RAMP]
-    reference, _ = train_run(slow, "reference", *args)
+    reference, _ = train_here(slow, "reference", *args)
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", 4, proc)  # the ramp runs over the first 11 windows
     proc.send_signal(signal.SIGKILL)

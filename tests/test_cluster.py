@@ -12,7 +12,7 @@ import yaml
 
 from accutrain.errors import UserError
 from accutrain.signals import StopRequest
-from conftest import (ONE_THREAD, RUN, SLOW_MODEL, TINY, assert_identical, assert_one_line_user_error, cli_command,
+from conftest import (ONE_THREAD, RUN, TINY, assert_identical, assert_one_line_user_error, cli_command,
                       final_weights, run_cli, train_here)
 
 
@@ -53,9 +53,9 @@ def test_an_optuna_search_returns_the_monitored_metric_and_names_the_best_trial(
 
 
 @pytest.mark.slow
-def test_a_preempted_submitit_job_is_requeued_and_ends_with_the_uninterrupted_weights(tmp_path):
+def test_a_preempted_submitit_job_is_requeued_and_ends_with_the_uninterrupted_weights(slow):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    tmp_path = slow  # slow.py is there, importable here too
     args = [*RUN, "trainer.eval_every=1000"]
     sweep = tmp_path / "sweep"
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)  # slow.py, for the jobs
@@ -79,6 +79,5 @@ def test_a_preempted_submitit_job_is_requeued_and_ends_with_the_uninterrupted_we
     assert json.loads((job / "status.json").read_text())["state"] == "completed"
     rows = read_csv(sweep / "summary.csv")
     assert [r["status"] for r in rows] == ["completed", "completed"]
-    uninterrupted = run_cli(*args, "seed=0", f"hydra.run.dir={tmp_path / 'uninterrupted'}", cwd=tmp_path)
-    assert uninterrupted.returncode == 0
-    assert_identical(final_weights(job), final_weights(tmp_path / "uninterrupted"))
+    uninterrupted, _ = train_here(tmp_path, "uninterrupted", *args, "seed=0")
+    assert_identical(final_weights(job), final_weights(uninterrupted))

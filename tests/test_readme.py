@@ -40,6 +40,8 @@ SKIPPED = {
 SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
 SMALL_MODEL = ["model=mlp", "model.hidden=[16]"]
 SMALL_DATA = ["data=synthetic", "data.size=64", "data.val_size=16", "data.image_size=8", "data.channels=1"]
+# An Optuna search runs this many trials here, whatever the command asks: each trial is one more run of the same code.
+TRIALS = "hydra.sweeper.n_trials=3"
 PLACEHOLDER = re.compile(r"[<>…]|\bDIR\b")
 
 MYMODELS = """
@@ -158,6 +160,8 @@ def shortened(argv: list[str], index: int) -> list[str]:
     if not chosen and "data" not in keys:
         extra += SMALL_DATA
     multirun = "-m" in argv
+    if multirun and any("optuna" in a for a in argv):
+        extra.append(TRIALS)
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     if key not in keys:
         extra.append(f"{key}={'multirun' if multirun else 'outputs'}/readme-{index}")

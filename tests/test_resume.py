@@ -19,7 +19,7 @@ from conftest import (NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, assert_identic
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_killed_and_resumed_run_ends_bit_identical(slow, how):
-    reference, _ = train_run(slow, "reference", *RUN)
+    reference, _ = train_here(slow, "reference", *RUN)
     kill_after = random.Random().randint(2, 10)  # step k is logged after checkpoint k-1 is on disk
     proc = start(slow, "killed", *RUN, "+model.delay=0.02")
     wait_for_steps(slow / "killed", kill_after, proc)
@@ -43,7 +43,7 @@ def test_killed_and_resumed_run_ends_bit_identical(slow, how):
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     big = [*TINY_DATA, "model.hidden=[1024,1024]", "data.image_size=16", "data.size=130",
            "trainer.epochs=2", "micro_batch=16", "accum=2", "trainer.checkpoint_every=1"]
-    reference, _ = train_run(tmp_path, "reference", *big)
+    reference, _ = train_here(tmp_path, "reference", *big)
     proc = start(tmp_path, "killed", *big)
     ckpts, caught = tmp_path / "killed" / "checkpoints", False
     deadline = time.monotonic() + 120
@@ -62,7 +62,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_every_rank_at_the_same_step_and_resumes_exactly(slow):
     args = [*RUN, "devices=2", "accum=2"]
-    reference, _ = train_run(slow, "reference", *args)
+    reference, _ = train_here(slow, "reference", *args)
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", 4, proc)
     proc.send_signal(signal.SIGTERM)
