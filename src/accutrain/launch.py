@@ -157,7 +157,9 @@ def start_method() -> str:
     that has run anything: the server has only imported, and CUDA is never initialised before a worker starts."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+    # torch._dynamo too: every rank imports it anyway (≈ 2 s), at its optimizer's first call of a function PyTorch
+    # keeps out of compiled graphs (torch._disable_dynamo imports it then); importing starts no thread, touches no GPU
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, "torch._dynamo"])
     return "forkserver"
 
 
