@@ -167,16 +167,16 @@ def output_dir(cfg: DictConfig, mode: str, pins: list[str]) -> Path:
 
 
 def check_run(cfg: DictConfig, task: DictConfig, decide: bool, pins: list[str]) -> None:
-    """A single run: the values and the machine (launch.preflight), then — in the process that decides — its run
-    directory: not an earlier run's (unless continued or replaced), writable, its log file too."""
+    """A single run: the values (validate), the device and the ranks (launch.place), and — in the process that
+    decides — its run directory: not an earlier run's (unless continued or replaced), writable, its log file too."""
     if decide:
         run_dir = output_dir(cfg, "run", pins)
         if run_dir.is_dir():
             rundir.check_reuse(run_dir, task)
     validate(task)  # the values, before PyTorch is imported (seconds): a mistake in one is answered at once
-    from accutrain.launch import preflight
+    from accutrain.launch import place
 
-    preflight(task)
+    place(task)
     if not decide:
         return
     make_output_dir(run_dir, "hydra.run.dir")

@@ -39,8 +39,13 @@ class Ranks:
 
 def preflight(cfg: DictConfig) -> Ranks:
     """Every check of the config and the machine that can be made before anything is written: the values
-    (validate), the device, the number of ranks. Raises UserError."""
+    (validate), then the device and the number of ranks (place). Raises UserError."""
     validate(cfg)
+    return place(cfg)
+
+
+def place(cfg: DictConfig) -> Ranks:
+    """The device and the number of ranks the config asks for, checked against the machine. Raises UserError."""
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
     if world is not None and cfg.devices not in ("auto", world.size):
