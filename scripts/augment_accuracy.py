@@ -76,8 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from accutrain.config import compose
-    from accutrain.launch import train
+    from accutrain.config.train import compose
+    from accutrain.run.launch import train
 
     torch.set_num_threads(1)
     print(f"$ python scripts/augment_accuracy.py {' '.join(sys.argv[1:])}".rstrip())

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from accutrain.build import build
-from accutrain.config import compose
-from accutrain.data import Datasets
+from accutrain.config.train import compose
+from accutrain.data.datasets import Datasets
+from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.dist import World
-from accutrain.views import ImageSource, Views, fixed_view
+from accutrain.train.build import build
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's
 

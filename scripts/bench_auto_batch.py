@@ -19,10 +19,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from accutrain.build import build
-from accutrain.config import compose
+from accutrain.config.train import compose
+from accutrain.core.memory import is_oom
 from accutrain.dist import World
-from accutrain.memory import is_oom
+from accutrain.train.build import build
 
 DEFAULTS = ["model=resnet18", "data=synthetic", "data.image_size=64", "data.size=512", "trainer.device=cuda",
             "global_batch=720720", "micro_batch=auto", "trainer.max_steps=1"]

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from accutrain import dist
-from accutrain.build import build
-from accutrain.config import compose
-from accutrain.launch import spawn
-from accutrain.loop import fit
-from accutrain.metrics import MetricsLog
-from accutrain.progress import Progress
+from accutrain.config.train import compose
+from accutrain.core.progress import Progress
+from accutrain.run.launch import spawn
 from accutrain.signals import StopRequest
+from accutrain.train.build import build
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
 
 
 def bench_worker(world: dist.World, cfg, out: str, sync_every_micro_batch: bool) -> None:

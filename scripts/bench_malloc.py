@@ -29,8 +29,8 @@ def one(variant: str, steps: int, warmup: int, threads: int, overrides: list[str
     import bench_overhead
     import torch
 
-    from accutrain.config import compose
-    from accutrain.malloc import tune_malloc
+    from accutrain.config.train import compose
+    from accutrain.run.malloc import tune_malloc
 
     torch.set_num_threads(threads)
     if variant == "accutrain, tuned":

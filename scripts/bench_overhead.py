@@ -41,13 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from accutrain.build import build
-from accutrain.config import compose
+from accutrain.config.train import compose
+from accutrain.core.progress import Progress
 from accutrain.dist import World
-from accutrain.loop import fit
-from accutrain.metrics import MetricsLog
-from accutrain.progress import Progress
 from accutrain.signals import StopRequest
+from accutrain.train.build import build
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
 
 
 def setup(cfg):

@@ -87,7 +87,7 @@ def main() -> None:
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     with tempfile.TemporaryDirectory() as tmp:
         old = import_revision(args.rev, Path(tmp))
-        from accutrain.config import compose
+        from accutrain.config.train import compose
 
         cfg = compose(*overrides)
         per_step = 1e6 * cfg.micro_batch * cfg.accum  # samples/s → µs per optimizer step

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from accutrain.config import compose
-from accutrain.plan import make_plan
+from accutrain.config.train import compose
+from accutrain.core.plan import make_plan
 from accutrain.trackers import RunEnd, Trackers, scalars
 
 

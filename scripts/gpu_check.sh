@@ -38,7 +38,7 @@ fi
 if ! $PY -c "import accutrain" 2>/dev/null; then
     export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"  # configs/ is found beside src/ in a checkout
 fi
-if ! $PY -c "import accutrain.launch" 2>"$OUT/import.log"; then
+if ! $PY -c "import accutrain.run.launch" 2>"$OUT/import.log"; then
     echo "accutrain does not import: $(tail -1 "$OUT/import.log") (pip install -e \".[dev]\", or WHEELS=dir)" >&2
     exit 2
 fi
@@ -92,7 +92,7 @@ for step in $STEPS; do
             run_step tests $PY -m pytest -m cuda -n 0 -p no:cacheprovider -rA --junitxml="$OUT/cuda-tests.xml" ;;
         smoke)
             run_step smoke bash -c "set -e; cd '$OUT' && $PY -m accutrain trainer.device=cuda hydra.run.dir=smoke_run \
-                && $PY -c 'from accutrain.cli import check_main; check_main()' trainer.device=cuda model.norm=group" ;;
+                && $PY -c 'from accutrain.cli.main import check_main; check_main()' trainer.device=cuda model.norm=group" ;;
         memory)
             run_step memory $PY scripts/bench_memory.py --steps 12 --out "$OUT/memory_gpu.png" ;;
         overhead)

@@ -21,8 +21,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from accutrain.config import compose as compose_config
-from accutrain.launch import train
+from accutrain.config.train import compose as compose_config
+from accutrain.run.launch import train
 
 # Each test process (pytest-xdist runs one per core) computes on one thread, and so does each accutrain it starts:
 # several processes each spinning up threads for every core would slow one another down many times over.
@@ -150,7 +150,7 @@ def assert_one_line_user_error(error: BaseException, *fragments: str) -> None:
 # A data factory (data=custom) whose samples `bad` are NaN: non-finite windows on purpose.
 NAN_DATA = """
 import torch
-from accutrain.data import Datasets, InMemory
+from accutrain.data.datasets import Datasets, InMemory
 
 def make(size=64, bad=(5,)):
     g = torch.Generator().manual_seed(0)

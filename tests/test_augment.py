@@ -7,16 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from accutrain import views
-from accutrain.build import build
-from accutrain.check import components_for_check, run_check
+from accutrain.core.loss import SummedLoss
+from accutrain.core.mixing import Mix, Mixer
+from accutrain.core.options import LastWindow
+from accutrain.core.plan import make_plan
+from accutrain.core.step import accumulate
+from accutrain.core.windows import MicroBatch, Window, WindowData, WindowSampler
+from accutrain.data import views
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.mixing import Mix, Mixer
-from accutrain.step import SummedLoss, accumulate
-from accutrain.config import LastWindow
-from accutrain.plan import make_plan
-from accutrain.windows import MicroBatch, Window, WindowData, WindowSampler
+from accutrain.train.build import build
+from accutrain.train.check import components_for_check, run_check
 from conftest import (RUN, TINY, assert_identical, assert_one_line_error, assert_one_line_user_error,
                       assert_same_weights, final_weights, read_metrics, run_cli, start, train_here, train_run,
                       wait_for_steps)
@@ -186,8 +187,8 @@ def test_pretrained_normalisation_comes_from_the_weights_metadata(compose):
     (["loss.label_smoothing=1.5"], ["loss.label_smoothing=1.5"]),
 ])
 def test_bad_augmentation_input_is_one_line_naming_the_key(tmp_path, args, fragments):
-    from accutrain.launch import train
-    from accutrain.config import compose as compose_config
+    from accutrain.config.train import compose as compose_config
+    from accutrain.run.launch import train
 
     with pytest.raises(UserError) as e:
         train(compose_config(*(args if "data=sequences" in args else [*TINY, *args])), tmp_path / "run")
@@ -226,7 +227,7 @@ def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_c
     from test_data import make_image_folder
     from torchvision.transforms import v2
 
-    from accutrain.data import image_folder
+    from accutrain.data.datasets import image_folder
 
     root = make_image_folder(tmp_path, size=12)
     cfg = compose("data=imagefolder", f"data.root={root}", "data.image_size=8", "model=resnet18",

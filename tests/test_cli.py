@@ -1,12 +1,15 @@
 """Through the real `accutrain` console script: what a run writes and shows, plug-ins from the working directory,
 one-line errors with exit code 2, Hydra's refusals, --help."""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import accutrain
-
 from accutrain.errors import UserError
-from accutrain.metrics import summary_line
+from accutrain.train.metrics import summary_line
 from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, final_weights, read_metrics,
                       run_cli, train_here, train_run)
 
@@ -109,3 +112,48 @@ def test_help_lists_the_config_groups_and_version_is_accutrains(tmp_path):
     assert "_schema" not in out and "powered by Hydra" not in out and out.startswith("accutrain 0.1.0")
     assert not (tmp_path / "outputs").exists()  # asking for help writes nothing
     assert run_cli("--version", cwd=tmp_path).stdout.strip() == f"accutrain {accutrain.__version__}"
+
+
+VALUE_MISTAKES = [
+    (["micro_batch=8", "global_batch=100"], "global_batch=100 is not a multiple of micro_batch 8 × devices 1"),
+    (["micro_batch=8", "devices=2", "global_batch=64", "accum=2"], "accum=2 contradicts global_batch=64"),
+    (["micro_batch=0"], "micro_batch=0 is not valid"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0 is not valid"),
+]
+
+
+def test_value_mistakes_are_refused_before_pytorch_is_imported_and_leave_no_run_directory(tmp_path):
+    """The command line's one owner of checking answers every value mistake, the batch arithmetic included, from the
+    composed config alone: no PyTorch import (seconds), no run directory."""
+    code = ("import json, sys\nfrom accutrain.cli import command\nfrom accutrain.errors import UserError\nout = []\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    try:\n        command.check(argv)\n        out.append(None)\n"
+            "    except UserError as e:\n        out.append(str(e))\n"
+            "print(json.dumps([out, 'torch' in sys.modules]))")
+    commands = [[*argv, f"hydra.run.dir={tmp_path / str(i)}"] for i, (argv, _) in enumerate(VALUE_MISTAKES)]
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                          cwd=tmp_path)
+    errors, torch_imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (argv, fragment), error in zip(VALUE_MISTAKES, errors):
+        assert error is not None and fragment in error, (argv, error)
+    assert not torch_imported
+    assert not [p.name for p in tmp_path.iterdir() if p.name.isdigit()]  # no run directory was made
+
+
+def test_a_batch_arithmetic_mistake_is_one_line_from_the_command_line(tmp_path):
+    proc = run_cli("micro_batch=8", "global_batch=100", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                   check=False)
+    assert_one_line_error(proc, "global_batch=100 is not a multiple of micro_batch 8 × devices 1 = 8")
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+
+
+def test_a_single_run_checks_its_values_once(tmp_path):
+    """The command line owns the checking: launch trusts the values and ranks it checked (one validate, not three)."""
+    code = ("import sys\nfrom accutrain.cli import command, main as cli\nfrom accutrain.run import launch\ncalls = []\n"
+            "for module in (command, launch):\n"
+            "    module.validate = lambda cfg, real=module.validate: (calls.append(1), real(cfg))[1]\n"
+            "sys.argv = ['accutrain', *sys.argv[1:]]\ncli.main()\nprint('validated', len(calls))")
+    proc = subprocess.run([sys.executable, "-c", code, *TINY, "trainer.max_steps=1", "trainer.progress=false",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "validated 1"

@@ -3,10 +3,11 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from accutrain.command import check, expand_home
-from accutrain.config import LastWindow, config_dir
+from accutrain.cli.command import check, expand_home
+from accutrain.config.train import config_dir
+from accutrain.config.validate import validate
+from accutrain.core.options import LastWindow
 from accutrain.errors import UserError, one_line
-from accutrain.validate import validate
 
 
 def test_default_config_composes_and_validates(compose):

@@ -9,27 +9,34 @@ import socket
 import pytest
 import torch
 import torch.distributed as torch_dist
+from test_memory import OOM, OOM_MODEL
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accutrain import auto_batch, build as build_module, check, dist, launch, memory, norms
-from accutrain.build import build
-from accutrain.check import components_for_check, run_check
-from accutrain.config import compose as compose_config
+from accutrain import dist
+from accutrain.config.targets import factory
+from accutrain.config.train import compose as compose_config
+from accutrain.core import grad_buffers
+from accutrain.core.grad_buffers import GradBuffers
+from accutrain.core.loss import make_loss
+from accutrain.core.options import Normalize
+from accutrain.core.precision import make_precision
+from accutrain.core.progress import Progress
+from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.loop import fit
-from accutrain.memory import GradBuffers
-from accutrain.metrics import MetricsLog
-from accutrain.precision import make_precision
-from accutrain.progress import Progress
-from accutrain.schemas import Normalize
+from accutrain.models import norms
+from accutrain.run import launch
 from accutrain.signals import StopRequest
-from accutrain.step import accumulate, make_loss
-from accutrain.targets import factory
+from accutrain.train import auto_batch
+from accutrain.train import build as build_module
+from accutrain.train import check
+from accutrain.train.build import build
+from accutrain.train.check import components_for_check, run_check
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
 from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
                       final_weights, run_cli, train_here)
-from test_memory import OOM, OOM_MODEL
 
 CPU = torch.device("cpu")
 
@@ -118,7 +125,7 @@ def assert_same_state(a, b):
 # --- 1. offload_grads: the asynchronous copy back to the device --------------------------------------------------
 class AsyncCopies:
     """Tensor.to(..., non_blocking=True) as CUDA runs it from pinned memory: queued, reading its source when the
-    stream gets there; an event (memory.copies_done) waits for what was queued before it."""
+    stream gets there; an event (grad_buffers.copies_done) waits for what was queued before it."""
 
     def __init__(self, monkeypatch):
         self.pending = []
@@ -132,7 +139,7 @@ class AsyncCopies:
             return out
 
         monkeypatch.setattr(torch.Tensor, "to", to)
-        monkeypatch.setattr(memory, "copies_done", lambda device: self, raising=False)
+        monkeypatch.setattr(grad_buffers, "copies_done", lambda device: self)
 
     def run_stream(self) -> None:
         for source, out in self.pending:
@@ -511,7 +518,7 @@ def test_the_resplit_says_what_ran_twice(bn_model):
 # --- 11. the GRU with a zero-sample micro-batch on cuDNN ----------------------------------------------------------
 @pytest.mark.cuda
 def test_gru_takes_a_zero_sample_micro_batch_on_cudnn():
-    from accutrain.models import char_lm
+    from accutrain.models.factories import char_lm
 
     torch.manual_seed(0)
     model = char_lm(vocab_size=12, num_classes=12, embedding=8, hidden=16).cuda()

@@ -7,16 +7,16 @@ import warnings
 import pytest
 import torch
 
-from accutrain import compiled
-from accutrain.auto_batch import divisors
-from accutrain.build import build
+from accutrain.core import compiled
+from accutrain.core.precision import full_float32, tolerance
+from accutrain.core.progress import Progress
 from accutrain.dist import World
-from accutrain.loop import fit
-from accutrain.metrics import MetricsLog
-from accutrain.precision import full_float32, tolerance
-from accutrain.progress import Progress
 from accutrain.signals import StopRequest
-from accutrain.steplog import StepLog
+from accutrain.train.auto_batch import divisors
+from accutrain.train.build import build
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
+from accutrain.train.steplog import StepLog
 from conftest import TINY_DATA, final_weights, read_metrics, train_here
 
 pytestmark = pytest.mark.cuda

@@ -4,7 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
-from accutrain.data import digits, image_folder, synthetic, torchvision_dataset
+from accutrain.data.datasets import digits, image_folder, synthetic, torchvision_dataset
 from accutrain.errors import UserError
 
 
@@ -41,7 +41,7 @@ def test_synthetic_is_deterministic_by_seed_and_sized_by_config():
 
 def test_synthetic_generated_lazily_equals_held_in_memory(monkeypatch):
     """Large synthetic sets are generated per sample; the values are those the in-memory copy holds."""
-    import accutrain.data as data
+    import accutrain.data.datasets as data
     held = synthetic(30, 5, 6, 3, 1, 1.0, seed=4)
     monkeypatch.setattr(data, "SYNTHETIC_IN_MEMORY_BYTES", 0)
     lazy = synthetic(30, 5, 6, 3, 1, 1.0, seed=4)

@@ -5,20 +5,20 @@ import signal
 
 import pytest
 import torch
+from test_exact import EXACT
 from torch import nn
 
-from accutrain import runs
-from accutrain.build import build
+from accutrain.core.progress import Progress
 from accutrain.dist import World
-from accutrain.ema import EMA
 from accutrain.errors import UserError
-from accutrain.loop import fit
-from accutrain.metrics import MetricsLog
-from accutrain.progress import Progress
+from accutrain.models.ema import EMA
+from accutrain.report import runs
 from accutrain.signals import StopRequest
+from accutrain.train.build import build
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
 from conftest import (NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
                       start, train_here, train_run, wait_for_steps)
-from test_exact import EXACT
 
 
 def test_one_update_is_the_formula_and_buffers_follow_timm():

@@ -5,11 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.check import batch_dependent_modules, components_for_check, run_check
-from accutrain.data import sequences
-from accutrain.models import char_lm, mlp, torchvision_classifier
-from accutrain.norms import batchnorm_warning, convert_norm
-from accutrain.step import accumulate, count_terms, summed_cross_entropy
+from accutrain.core.loss import count_terms, summed_cross_entropy
+from accutrain.core.step import accumulate
+from accutrain.data.datasets import sequences
+from accutrain.models.factories import char_lm, mlp, torchvision_classifier
+from accutrain.models.norms import batchnorm_warning, convert_norm
+from accutrain.train.check import batch_dependent_modules, components_for_check, run_check
 from conftest import TINY, assert_same_weights, final_weights, read_metrics, run_cli, train_here
 
 DIGITS = ["micro_batch=8", "accum=4"]

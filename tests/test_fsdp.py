@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resume import assert_identical, start, wait_for_steps
 from torch import nn
 
-from accutrain.config import Sync
+from accutrain.config.train import Sync
+from accutrain.config.validate import validate
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.report import write_report
-from accutrain.state_dicts import by_index, by_name
-from accutrain.validate import validate
+from accutrain.parallel.state_dicts import by_index, by_name
+from accutrain.report.summary import write_report
 from conftest import TINY, assert_one_line_user_error, assert_same_weights, read_metrics, train_here, train_run
-from test_resume import assert_identical, start, wait_for_steps
 
 # Linear(64, 33) shards unevenly over 2 ranks (17 + 16 rows); no dropout or BatchNorm, so the step is exact; the
 # delay (numerics untouched) lets a kill land mid-run.
@@ -116,7 +116,7 @@ def test_fsdp_is_the_big_batch_and_resumes_bit_identical_after_sigkill(net, sync
 
 
 def test_accutrain_check_takes_the_fsdp_overrides(compose):
-    from accutrain.check import components_for_check, run_check
+    from accutrain.train.check import components_for_check, run_check
 
     result = run_check(components_for_check(compose(*TINY, "data.size=40", "strategy=fsdp", "devices=2",
                                                     "micro_batch=4", "accum=2", "strategy.sync=last")))
@@ -198,8 +198,8 @@ def test_fsdp_keys_belong_to_strategy_fsdp(compose):
 
 
 def test_batchnorm_in_training_and_unknown_wrap_classes_are_refused(compose):
-    from accutrain.fsdp import FSDP, units_to_shard
-    from accutrain.precision import make_precision
+    from accutrain.core.precision import make_precision
+    from accutrain.parallel.fsdp import FSDP, units_to_shard
 
     cfg = compose("model=resnet18", "strategy=fsdp")
     strategy = FSDP(cfg.strategy, World(0, 2), torch.device("cpu"), make_precision("32", torch.device("cpu")))
@@ -216,8 +216,8 @@ def test_batchnorm_in_training_and_unknown_wrap_classes_are_refused(compose):
 
 
 def test_pytorch_196996_is_one_line_naming_the_keys(compose):
-    from accutrain.fsdp import FSDP
-    from accutrain.precision import make_precision
+    from accutrain.core.precision import make_precision
+    from accutrain.parallel.fsdp import FSDP
 
     cfg = compose(*TINY, "strategy=fsdp", "strategy.sync=last")
     strategy = FSDP(cfg.strategy, World(), torch.device("cpu"), make_precision("bf16-mixed", torch.device("cpu")))

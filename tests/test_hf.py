@@ -9,16 +9,17 @@ import signal
 
 import pytest
 import torch
+from test_resume import assert_identical, start, wait_for_steps
 from torch import nn
 
-from accutrain.batches import Batch, BatchFormat, PadCollate, stand_in_guard
+from accutrain.core.batches import Batch, BatchFormat, PadCollate, stand_in_guard
+from accutrain.core.loss import SummedLoss
+from accutrain.core.step import accumulate, cut_micro_batches
+from accutrain.data.text import text_data
+from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.errors import UserError
-from accutrain.models import build_model
-from accutrain.step import SummedLoss, accumulate, cut_micro_batches
-from accutrain.text import text_data
-from accutrain.tokenizer import ByteTokenizer
+from accutrain.models.factories import build_model
 from conftest import assert_one_line_user_error, assert_same_weights, final_weights, read_metrics, train_here
-from test_resume import assert_identical, start, wait_for_steps
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,7 +87,7 @@ def test_accumulated_and_two_device_runs_equal_the_big_batch(files, big_lm, tmp_
 def test_unshifted_labels_with_shift_labels_equal_pre_shifted_ones(files, big_lm, tmp_path, monkeypatch):
     """data=text gives labels = input_ids (the model's convention) and the loss shifts them; pre-shifted labels
     with loss.shift_labels=false take the same steps. Left unshifted, a warning says so."""
-    monkeypatch.setattr("accutrain.text.text_data", preshifted)
+    monkeypatch.setattr("accutrain.data.text.text_data", preshifted)
     ours, _ = train_here(tmp_path, "pre", *lm(files, "micro_batch=16", "loss.shift_labels=false"))
     assert_same_weights(final_weights(ours), final_weights(big_lm[0]))
 
@@ -117,7 +118,7 @@ def test_dynamic_padding_equals_padding_to_max_length(files, tmp_path):
 
 SLOW_HF = """
 import time
-from accutrain.hf import causal_lm
+from accutrain.models.hf import causal_lm
 
 def net(delay=0.0, **kwargs):
     model = causal_lm(**kwargs)
@@ -172,7 +173,7 @@ def test_export_loads_back_with_from_pretrained_and_checkpoints_have_plain_keys(
 
 
 def test_check_groups_below_the_adapter_and_finds_the_hf_model_faithful(files, compose):
-    from accutrain.check import components_for_check, run_check
+    from accutrain.train.check import components_for_check, run_check
 
     result = run_check(components_for_check(compose(*lm(files, "micro_batch=4", "accum=4"))))
     assert result.faithful, result.lines()
@@ -311,7 +312,7 @@ def test_seed_reaches_custom_data_and_shift_labels_needs_token_targets(tmp_path,
 
 def seeded(seed):
     """A data=custom factory taking the run's seed."""
-    from accutrain.data import synthetic
+    from accutrain.data.datasets import synthetic
 
     data = synthetic(40, 8, 8, 3, 1, 1.0, seed)
     data.description = f"seeded with {seed}"
@@ -319,7 +320,7 @@ def seeded(seed):
 
 
 def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch):
-    from accutrain import hf
+    from accutrain.models import hf
 
     with pytest.raises(UserError) as info:
         hf.load("AutoModelForCausalLM", name_or_path="./no/such/dir")
@@ -342,8 +343,8 @@ def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch):
 
 def test_dropout_zero_reaches_what_no_dropout_layer_holds():
     """Llama keeps its attention dropout as a float handed to SDPA: found by the warning, zeroed by model.dropout=0."""
-    from accutrain import hf
-    from accutrain.pitfalls import dropout_layers
+    from accutrain.models import hf
+    from accutrain.models.pitfalls import dropout_layers
 
     config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=16,

@@ -3,10 +3,10 @@ import math
 
 import pytest
 
+from accutrain.config.validate import validate
+from accutrain.core.lr_scaling import describe, scaled_lr
+from accutrain.core.options import LRScaling
 from accutrain.errors import UserError
-from accutrain.lr_scaling import describe, scaled_lr
-from accutrain.schemas import LRScaling
-from accutrain.validate import validate
 from conftest import TINY, assert_one_line_user_error, read_metrics, train_here
 
 

@@ -3,20 +3,21 @@ import json
 
 import pytest
 import torch
+from test_exact import EXACT, WINDOWS
 from torch import nn
 
-from accutrain.auto_batch import search_micro_batch
-from accutrain.build import build
+from accutrain.core.grad_buffers import GradBuffers
+from accutrain.core.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.loop import fit
-from accutrain.memory import GradBuffers, enable_activation_checkpointing
-from accutrain.metrics import MetricsLog
-from accutrain.progress import Progress
+from accutrain.models.checkpointing import enable_activation_checkpointing
 from accutrain.signals import StopRequest
+from accutrain.train.auto_batch import search_micro_batch
+from accutrain.train.build import build
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
 from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
                       train_here)
-from test_exact import EXACT, WINDOWS
 
 OOM_MODEL = '''
 import torch

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import build_model, cnn, mlp, torchvision_classifier
+from accutrain.models.factories import build_model, cnn, mlp, torchvision_classifier
 
 
 class TakesClasses(nn.Module):
@@ -44,7 +44,7 @@ def test_grey_input_keeps_a_pretrained_filters_response():
     """Summing pretrained RGB filters over channels answers a grey image as the RGB model would."""
     rgb = torchvision_classifier("resnet18", 10, 3, 64)
     first = rgb.conv1
-    from accutrain.models import _adapt_input_channels
+    from accutrain.models.factories import _adapt_input_channels
     _adapt_input_channels(rgb, 1)
     grey = torch.rand(1, 1, 9, 9)
     torch.testing.assert_close(rgb.conv1(grey), first(grey.expand(1, 3, 9, 9)), rtol=1e-5, atol=1e-5)

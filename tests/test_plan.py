@@ -1,9 +1,9 @@
 """The batch arithmetic: effective batch, derived accum, optimizer steps per epoch and in total."""
 import pytest
 
-from accutrain.config import LastWindow
+from accutrain.core.options import LastWindow
+from accutrain.core.plan import derive_accum, make_plan
 from accutrain.errors import UserError
-from accutrain.plan import derive_accum, make_plan
 
 
 def plan(**kw):

@@ -1,6 +1,8 @@
-"""The README's commands work as printed: every command in its code blocks (and in its inline code) is split into
-words by bash, as a user's shell would, and run — those that train with small sizes appended — except the few
-listed in SKIPPED, each with its reason. The quick start is also what CI runs."""
+"""The commands of the README and of the manual's pages (docs/*.md) work as printed: every command in their code
+blocks (and in their inline code) is split into words by bash, as a user's shell would, and run — those that train
+with small sizes appended — except the few listed in SKIPPED, each with its reason. docs/benchmarks.md is the record
+of measurements (benchmark scripts of minutes, GPU runs), not a page of the manual: its commands are not run here.
+The quick start is also what CI runs."""
 import json
 import os
 import re
@@ -14,6 +16,11 @@ from conftest import ONE_THREAD
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+# The pages whose commands are run: the README first, then the manual's pages by name. Not docs/benchmarks.md: it
+# records how each figure was measured — benchmark scripts of minutes (python scripts/bench_*.py) and runs on a GPU
+# (accutrain trainer.device=cuda, compiled runs timed there) — which scripts/gpu_check.sh reruns where a GPU is.
+NOT_RUN = {"benchmarks.md"}
+PAGES = [ROOT / "README.md"] + [page for page in sorted((ROOT / "docs").glob("*.md")) if page.name not in NOT_RUN]
 
 # Commands not run here, by how they begin, and why.
 SKIPPED = {
@@ -30,7 +37,7 @@ SKIPPED = {
                            "(sync=last, sharded checkpoints) with devices=2",
     "accutrain -m devices=1,2": "spawns worker processes again, as `accutrain devices=2 micro_batch=8 accum=2` above "
                                 "(tests/test_ddp.py compares devices=2 with devices=1)",
-    "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in the README)",
+    "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in docs/memory.md)",
     "accutrain model=hf_causal_lm model.name_or_path=gpt2": "downloads GPT-2: needs the internet",
     "accutrain model=hf_seq_cls model.name_or_path=distilbert": "downloads DistilBERT: needs the internet",
     "tensorboard --logdir": "a web server: tests/test_trackers.py reads the event files with TensorBoard's reader",
@@ -60,7 +67,7 @@ class Net(nn.Module):  # the README's `model=custom model._target_=mymodels.Net 
 
 MYDATA = """
 import torch
-from accutrain.data import Datasets, InMemory
+from accutrain.data.datasets import Datasets, InMemory
 
 def make(size, seed, val_size=32, **_):  # the README's `data=custom data._target_=mydata.make +data.size=1000`
     g = torch.Generator().manual_seed(seed)
@@ -77,11 +84,11 @@ def pairs(n: int = 40) -> str:
                    for a, b in ((i % 13, i % 7) for i in range(n)))
 
 
-# Runs every command in one Python process (each as its console script would: accutrain.cli.main with sys.argv),
+# Runs every command in one Python process (each as its console script would: accutrain.cli.main.main with sys.argv),
 # so that the imports are paid once; records each one's exit code and what it printed on stderr.
 DRIVER = """
 import contextlib, io, json, os, shutil, sys, time
-from accutrain import cli, report_cli
+from accutrain.cli import main as cli, report as report_cli
 
 def main(commands, out):
     entry = {"accutrain": cli.main, "accutrain-check": cli.check_main, "accutrain-report": report_cli.main}
@@ -137,6 +144,12 @@ def commands(text: str) -> list[tuple[str, int, str]]:
     return found
 
 
+def all_commands() -> list[tuple[str, int, str]]:
+    """commands() of every page in PAGES, in that order (so within a page a command that prepares another, such as
+    the checkpoint a `resume=outputs/…` names, still comes first)."""
+    return [found for page in PAGES for found in commands(page.read_text())]
+
+
 def skipped(command: str) -> str:
     return next((why for start, why in SKIPPED.items() if command.startswith(start)), "")
 
@@ -169,11 +182,37 @@ def shortened(argv: list[str], index: int) -> list[str]:
 
 
 def test_the_readme_lists_its_commands_and_skips_only_those_named():
-    found = [c for c, _, _ in commands(README)]
+    found = [c for c, _, _ in all_commands()]
     assert "accutrain data=imagefolder data.root=~/pets data.image_size=128" in found
     assert "accutrain model=resnet18 micro_batch=8 accum=4" in found
     assert "accutrain-check micro_batch=8 accum=4" in found
     assert {start for start in SKIPPED} <= {start for c in found for start in SKIPPED if c.startswith(start)}
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_pages_links_lead_somewhere():
+    """Every relative link of the README and of docs/*.md names a file that exists (an image too), and its #anchor a
+    heading of that page."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+:", target):
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif fragment and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", linked.read_text(), flags=re.S | re.M),
+                                      flags=re.M)
+                if fragment not in {anchor(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
 
 
 @pytest.mark.slow
@@ -188,7 +227,7 @@ def test_every_readme_command_works_as_printed(tmp_path):
     (work / "mydata.py").write_text(MYDATA)
     (work / "pairs.jsonl").write_text(pairs())
     runs, expected = [], []
-    for index, (command, code, error) in enumerate(commands(README)):
+    for index, (command, code, error) in enumerate(all_commands()):
         if skipped(command) or command in [c for c, _, _ in expected]:
             continue
         argv = shortened(words(command, home), index)

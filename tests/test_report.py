@@ -6,15 +6,15 @@ import shutil
 import socket
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from accutrain import report, runs
 from accutrain.errors import UserError
-from accutrain.run_status import add_to_status, current_state, one_line, recorded, write_status
+from accutrain.report import runs
+from accutrain.report import summary as report
+from accutrain.store.status import add_to_status, current_state, one_line, recorded, write_status
 from conftest import TINY, assert_one_line_error, read_metrics, run_cli, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=4", "accum=2", "trainer.max_steps=4", "trainer.eval_every=2"]
@@ -204,7 +204,7 @@ def test_recorded_marks_every_outcome(tmp_path):
 
 def sweep_rows() -> list:
     """An accum sweep at a fixed micro_batch (so micro_batch never changes), one of whose jobs diverged."""
-    from accutrain.runs import RunRow
+    from accutrain.report.runs import RunRow
 
     rows = []
     for job, accum in enumerate((1, 2, 4)):
@@ -221,7 +221,7 @@ def sweep_rows() -> list:
 def test_summary_plot_is_against_what_the_sweep_varied_and_a_diverged_job_hides_nothing():
     """Item 10: memory and speed against accum (the override that varies), labelled; the loss axis cut above the
     runs that did not diverge, and the plot says which one did."""
-    from accutrain.plots import summary_figure
+    from accutrain.report.plots import summary_figure
 
     loss, memory, speed = summary_figure(sweep_rows()).axes
     for ax, label in ((memory, "peak memory (MiB)"), (speed, "samples/s")):
@@ -233,7 +233,7 @@ def test_summary_plot_is_against_what_the_sweep_varied_and_a_diverged_job_hides_
 
 
 def test_summary_plot_of_several_varied_overrides_names_each_job():
-    from accutrain.plots import summary_figure
+    from accutrain.report.plots import summary_figure
 
     rows = sweep_rows()[:2]
     rows[1].overrides = ["micro_batch=16", "accum=2", "model=cnn"]
@@ -245,7 +245,7 @@ def test_summary_plot_of_several_varied_overrides_names_each_job():
 
 def test_loss_plot_draws_a_moving_average_over_the_raw_loss():
     """Item 11."""
-    from accutrain.plots import run_figure, smoothed
+    from accutrain.report.plots import run_figure, smoothed
 
     row = sweep_rows()[0]
     ax = run_figure(row).axes[0]

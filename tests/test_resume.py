@@ -197,8 +197,8 @@ def test_checkpoint_from_another_model_or_batch_is_refused(tmp_path):
     run_dir, _ = train_here(tmp_path, "run", *TINY, "data.size=40", "trainer.max_steps=2")
     # items 7 and 8: another optimizer (KeyError 'step' when loaded) and another seed (another data order)
     assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", "optim=adamw", f"resume={run_dir}"),
-                               "was trained with the optimizer accutrain.optim.sgd; this run uses "
-                               "accutrain.optim.adamw", "(optim=sgd)")
+                               "was trained with the optimizer accutrain.models.optim.sgd; this run uses "
+                               "accutrain.models.optim.adamw", "(optim=sgd)")
     assert_one_line_user_error(refused(tmp_path, *TINY, "data.size=40", "seed=1", f"resume={run_dir}"),
                                "was trained with seed=0; this run has seed=1", "resuming needs the same seed")
     (tmp_path / "config.yaml").write_text("micro_batch: 8\n")

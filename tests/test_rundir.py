@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from accutrain import checkpoint, rundir
-from accutrain.command import check
+from accutrain.cli.command import check
 from accutrain.errors import UserError
+from accutrain.store import checkpoint, rundir
 from conftest import (ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics, train_here,
                       train_run)
 

@@ -16,18 +16,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accutrain import compiled, dist, malloc, memory, session
-from accutrain.build import build
-from accutrain.check import components_for_check, run_check
+from accutrain import dist
+from accutrain.config.validate import validate
+from accutrain.core import compiled, memory
+from accutrain.core.progress import Progress
+from accutrain.core.step import accumulate
 from accutrain.dist import World
-from accutrain.loop import fit
-from accutrain.metrics import MetricsLog
-from accutrain.progress import Progress
+from accutrain.parallel.strategy import Strategy
+from accutrain.run import malloc, session
 from accutrain.signals import StopRequest
-from accutrain.step import accumulate
-from accutrain.strategy import Strategy
-from accutrain.steplog import StepLog
-from accutrain.validate import validate
+from accutrain.train.build import build
+from accutrain.train.check import components_for_check, run_check
+from accutrain.train.loop import fit
+from accutrain.train.metrics import MetricsLog
+from accutrain.train.steplog import StepLog
 from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
                       train_here, train_run)
 
@@ -145,7 +147,7 @@ def test_peak_rss_follows_a_reset():
 
 
 def test_a_forked_process_resets_and_reads_its_own_peak():
-    """A worker forked from the fork server (accutrain.launch) measures itself, not the server whose /proc files
+    """A worker forked from the fork server (accutrain.run.launch) measures itself, not the server whose /proc files
     it inherited."""
     memory.peak_mb(torch.device("cpu"))  # the /proc files open in this process
     pid = os.fork()
@@ -161,7 +163,7 @@ def test_a_forked_process_resets_and_reads_its_own_peak():
 # --- glibc's allocator ---------------------------------------------------------------------------------------
 FAULTS = """
 import ctypes, resource, sys
-from accutrain.malloc import tune_malloc
+from accutrain.run.malloc import tune_malloc
 if sys.argv[1] == "tuned":
     print(tune_malloc(), file=sys.stderr)
 libc = ctypes.CDLL(None)

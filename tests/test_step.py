@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.step import accumulate, evaluate, grad_norm
+from accutrain.core.step import accumulate, evaluate, grad_norm
 
 
 def model_and_data(n=14, seed=0):
@@ -100,7 +100,7 @@ def test_evaluate_sums_are_sample_weighted_whatever_the_batch():
 def test_a_kept_backward_seed_gives_the_bits_of_a_multiply():
     """Precision.backward seeds with weight × ones, kept while the weight stays: micro-batches of two windows
     (weights 1/7, then 1/5) and a stand-in's 0 in between give, bit for bit, the gradients of (loss × weight)."""
-    from accutrain.precision import make_precision
+    from accutrain.core.precision import make_precision
 
     precision = make_precision("32", torch.device("cpu"))
     model, x, y = model_and_data(n=12)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from PIL import Image
 
-from accutrain.config import config_dir
+from accutrain.config.train import config_dir
 from conftest import TINY, TINY_DATA, assert_one_line_error, read_metrics, run_cli
 
 # 40 samples, 3 optimizer steps per job: the sweep is about the summary, not the training.
@@ -175,7 +175,7 @@ def test_every_experiment_composes_and_sweeps_something(compose_with_hydra):
 
 def test_sweep_summary_callback_is_configured(compose_with_hydra):
     cfg = compose_with_hydra()
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "accutrain.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "accutrain.report.sweep.SweepSummary"
 
 
 def test_launcher_configs_compose(compose_with_hydra):

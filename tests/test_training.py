@@ -1,8 +1,9 @@
 """Runs that learn, on each dataset, and what a run records."""
 import json
 
-from conftest import TINY, read_metrics, train_here
 from test_data import make_image_folder
+
+from conftest import TINY, read_metrics, train_here
 
 
 def test_digits_run(tmp_path):

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from accutrain.config import LastWindow
-from accutrain.plan import make_plan
-from accutrain.windows import WindowSampler, epoch_order, rank_share, window_loader, windows_of
+from accutrain.core.options import LastWindow
+from accutrain.core.plan import make_plan
+from accutrain.core.windows import WindowSampler, epoch_order, rank_share, window_loader, windows_of
 
 
 def sampler_of(micro_batch, accum, devices=1, rank=0, n=110, seed=0, last_window=LastWindow.step):
@@ -112,9 +112,9 @@ def two_ranks_sampler(rank):
 def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
     """A micro-batch of in-memory tensors is taken in one indexing: the very tensors (values, dtype, shape, layout)
     that torch's default collate stacks from the items one by one."""
-    from accutrain.batches import BatchFormat
-    from accutrain.data import InMemory
-    from accutrain.windows import WindowData
+    from accutrain.core.batches import BatchFormat
+    from accutrain.core.windows import WindowData
+    from accutrain.data.datasets import InMemory
 
     g = torch.Generator().manual_seed(0)
     data = InMemory(torch.randn(37, 3, 5, 5, generator=g), torch.randint(0, 10, (37,), generator=g))
@@ -140,7 +140,7 @@ def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
 def test_the_loader_reads_the_same_batches_in_process_and_in_worker_processes():
     """num_workers=0 reads each micro-batch in this process, without torch's DataLoader; with workers the
     DataLoader reads them. Both yield the same windows and the same tensors, stand-ins included."""
-    from accutrain.windows import InProcessLoader
+    from accutrain.core.windows import InProcessLoader
 
     data = torch.utils.data.TensorDataset(torch.randn(35, 6), torch.arange(35))
     sampler = two_ranks_sampler(rank=1)

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any, Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain.config.targets import factory
 from accutrain.errors import UserError
-from accutrain.files import write_atomic
-from accutrain.runs import read_overrides
-from accutrain.targets import factory
+from accutrain.report.runs import read_overrides
+from accutrain.store.files import write_atomic
 from accutrain.trackers.base import RunEnd, RunInfo, Tracker, flatten, scalars
 
 if TYPE_CHECKING:
-    from accutrain.plan import BatchPlan
-    from accutrain.progress import Progress
+    from accutrain.core.plan import BatchPlan
+    from accutrain.core.progress import Progress
 
 __all__ = ["RunEnd", "RunInfo", "Tracker", "Trackers", "scalars"]
 
@@ -96,7 +96,7 @@ class Trackers:
         to its end, this session's time, samples and peak memory."""
         if not self.active:
             return
-        from accutrain.report import write_loss_plot
+        from accutrain.report.summary import write_loss_plot
 
         end = RunEnd(status, summary(p, self.monitor, seconds, samples, peak_mb),
                      write_loss_plot(self.run_dir, status))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from accutrain.errors import UserError
-from accutrain.files import read_jsonl
+from accutrain.store.files import read_jsonl
 
 Number = Union[int, float, str, bool]
 

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from accutrain.files import write_atomic
+from accutrain.store.files import write_atomic
 from accutrain.trackers.base import RunInfo, Tracker
 
 

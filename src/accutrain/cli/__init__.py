@@ -1,0 +1,1 @@
+"""The console entry points: accutrain, accutrain-check and accutrain-report."""

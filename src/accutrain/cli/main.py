@@ -1,0 +1,180 @@
+"""The `accutrain` console entry point: the command line is checked (accutrain.cli.command), then Hydra composes the
+typed config and runs the job; a user error ends in one line."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain.cli import command
+from accutrain.cli.command import check, expand_home
+from accutrain.config.targets import plugin_failure
+from accutrain.config.train import config_dir, register_schemas
+from accutrain.errors import Preempted, UserError, one_line
+from accutrain.report.sweep import SweepSummary, stopped
+from accutrain.store import rundir
+from accutrain.store.status import read_status, recorded, write_status
+
+log = logging.getLogger("accutrain")
+trace_log = logging.getLogger("accutrain.traceback")  # train.log only (configs/hydra/job_logging/accutrain.yaml)
+
+register_schemas()
+
+
+def torchrun_secondary() -> bool:
+    """This process is a rank other than 0 of a world torchrun started."""
+    return os.environ.get("RANK", "0") != "0" and "LOCAL_RANK" in os.environ
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def _train(cfg: DictConfig) -> Optional[float]:
+    """One run; returns the best value of the monitored metric (trainer.monitor), what a searching sweeper (Optuna)
+    optimises. Everything that can be checked is checked before the run directory is touched. A single run ends a
+    user error with exit 2; in a multirun a failing job (user error or crash) is recorded as failed in its
+    status.json and the sweep goes on. A preempted run (trainer.preempt_signals) ends the command, after its
+    checkpoint, with exit code 128 + the signal — or, under submitit, is requeued."""
+    from accutrain.report.summary import write_loss_plot
+    from accutrain.run.launch import preflight, train  # imported here so that `--help` and config errors stay fast
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
+    primary = not torchrun_secondary()  # one process decides about the run directory and records the run
+    if cfg.resume is None and (read_status(run_dir) or {}).get("state") == "requeued":
+        log.info(f"this job was requeued after a preemption: resuming from the newest checkpoint of {run_dir}")
+        cfg.resume = "auto"
+    try:  # a single run's values and ranks were checked before Hydra ran (command.check); a sweep's job's here
+        ranks = command.checked if command.checked is not None and not multirun else preflight(cfg)
+        if primary:
+            rundir.prepare(run_dir, cfg)
+    except UserError as e:
+        log.error(one_line(e))
+        if multirun:  # recorded in the job's status.json, unless that is an earlier run's
+            SweepSummary.failed_here += 1
+            if primary and rundir.earlier_run(run_dir) is None:
+                write_status(run_dir, "failed", one_line(e))
+            return None
+        sys.exit(2)
+    try:
+        with recorded(run_dir) if primary else nullcontext():  # status.json: running, then how it ended
+            out = train(cfg, run_dir, log_config, ranks)
+        return out.progress.best if out is not None else None
+    except UserError as e:
+        log.error(one_line(e))
+        if e.__cause__ is not None:
+            trace_log.error("the traceback behind that error:", exc_info=e.__cause__)
+        if not multirun:
+            sys.exit(2)
+        SweepSummary.failed_here += 1
+    except Preempted as e:
+        requeue = submitit_requeue(e.signum)
+        if requeue is not None and primary:
+            write_status(run_dir, "requeued", str(e))
+            log.warning(f"{signal.Signals(e.signum).name}: checkpoint written; submitit requeues this job, which "
+                        "resumes from it")
+            requeue(e.signum, None)  # submitit's own handler: saves the job for the requeue and exits
+        if primary:
+            say_how_to_resume(run_dir, multirun, signal.Signals(e.signum).name, hydra_cfg)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        log.error("interrupted: stopped at once, without a checkpoint")
+        sys.exit(128 + signal.SIGINT)
+    except Exception as e:
+        culprit = plugin_failure(e, cfg)
+        if culprit is None and not multirun:
+            raise  # a bug of accutrain's: Hydra prints its traceback
+        if culprit is not None:
+            log.error(f"{culprit}; the full traceback is in {run_dir / 'train.log'}")
+            trace_log.error("the traceback:", exc_info=e)
+        else:
+            log.exception("this job failed; the sweep goes on")
+        if not multirun:
+            sys.exit(2)
+        SweepSummary.failed_here += 1
+    finally:
+        if primary:
+            write_loss_plot(run_dir)
+
+
+def say_how_to_resume(run_dir: Path, multirun: bool, signal_name: str, hydra_cfg: DictConfig) -> None:
+    """After a signal stopped the run at a checkpoint: the command that continues it — the whole sweep's in a
+    multirun (with the summary of what ran), else this run directory's."""
+    if multirun:
+        stopped(Path(str(hydra_cfg.sweep.dir)), str(hydra_cfg.job.num), signal_name, sys.argv[1:])
+    else:
+        log.warning(f"Resume with the same command plus: resume=auto hydra.run.dir={run_dir}")
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def _check(cfg: DictConfig) -> None:
+    """accutrain-check: exit 0 when the configured run's accumulation is faithful, 1 when not, 2 on a user error."""
+    from accutrain.train.check import components_for_check, run_check
+
+    try:
+        result = run_check(components_for_check(cfg))
+    except UserError as e:
+        print(f"accutrain-check: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    print("\n".join(result.lines()))
+    sys.exit(0 if result.faithful else 1)
+
+
+def submitit_requeue(signum: int) -> Optional[Callable[..., None]]:
+    """Under submitit, its handler for `signum` that checkpoints the job and requeues it (None elsewhere)."""
+    handler = signal.getsignal(signum)
+    owner = getattr(handler, "__self__", None)
+    if owner is not None and type(owner).__module__.startswith("submitit") and \
+            getattr(handler, "__name__", "") == "checkpoint_and_try_requeue":
+        return handler
+    return None
+
+
+def import_from_working_directory() -> None:
+    """User plug-ins (`_target_`) import from the working directory, as with `python -m`."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
+def before_hydra(prog: str, **checks: bool) -> None:
+    """The command line checked before Hydra runs it (accutrain.cli.command); a mistake is one line and exit code 2."""
+    sys.argv[1:] = expand_home(sys.argv[1:])
+    try:
+        sys.argv += check(sys.argv[1:], prog=prog, **checks)  # Hydra then uses the output directory checked
+    except UserError as e:
+        rank = "" if not torchrun_secondary() else f"[rank {os.environ['RANK']}] "
+        print(f"{rank}{prog}: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_main() -> None:
+    """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
+    import_from_working_directory()
+    before_hydra("accutrain-check", run=False)
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                 "hydra/hydra_logging=disabled"]
+    _check()
+
+
+def main() -> None:
+    import_from_working_directory()
+    if torchrun_secondary():
+        sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
+    before_hydra("accutrain", decide=not torchrun_secondary())  # every rank composes; rank 0 decides
+    SweepSummary.failed_jobs = 0
+    _train()
+    if SweepSummary.failed_jobs:  # a multirun whose summary counted failed jobs
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The schemas of what is trained and how it descends: the config groups `model/`, `data/`, `augment/`, `optim/`,
+`sched/` and `loss`, as dataclasses in Hydra's ConfigStore (accutrain.config.train registers them with the others), so
+that an unknown key or a wrong type is refused by name when the config is composed.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import II, MISSING
+
+from accutrain.core.options import LRScaling, MixMode, Normalize
+
+
+class Norm(enum.Enum):
+    keep = "keep"  # the model's own normalisation layers
+    group = "group"  # BatchNorm → GroupNorm (model.norm_groups): statistics per sample, exact under accumulation
+    frozen = "frozen"  # BatchNorm kept in eval mode: fixed running statistics (fine-tuning pretrained weights)
+
+
+# --- model/ -------------------------------------------------------------------------------------------
+# `_target_` is the factory; every other key is a keyword argument of it, except those in OWN_KEYS["model"].
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+    sync_batchnorm: bool = False  # BatchNorm → SyncBatchNorm when devices > 1: statistics over every rank's share
+    norm: Norm = Norm.keep  # keep | group | frozen: what becomes of BatchNorm
+    norm_groups: int = 32  # model.norm=group: groups per GroupNorm (the largest divisor of the channels ≤ this)
+
+
+@dataclass
+class TorchvisionModel(ModelConfig):
+    _target_: str = "accutrain.models.torchvision_classifier"
+    name: str = MISSING  # any name in torchvision.models.list_models()
+    pretrained: bool = False
+    small_input: Optional[bool] = None  # 3x3 stride-1 stem without max-pool; null: when images are <= 32 px
+
+
+@dataclass
+class MLPModel(ModelConfig):
+    _target_: str = "accutrain.models.mlp"
+    hidden: List[int] = field(default_factory=lambda: [256, 256])
+    dropout: float = 0.0
+
+
+@dataclass
+class CNNModel(ModelConfig):
+    _target_: str = "accutrain.models.cnn"
+    channels: List[int] = field(default_factory=lambda: [32, 64])
+    dropout: float = 0.0
+
+
+@dataclass
+class CharLMModel(ModelConfig):
+    _target_: str = "accutrain.models.char_lm"
+    embedding: int = 32
+    hidden: int = 64
+
+
+@dataclass
+class HFModel(ModelConfig):
+    """A Hugging Face transformers model (the `hf` extra): pretrained, or randomly initialised from a config."""
+
+    _target_: str = MISSING
+    name_or_path: Optional[str] = None  # a Hub name or a local directory (a save_pretrained output)
+    pretrained: bool = True  # with name_or_path: its weights; false: its architecture, randomly initialised
+    config: Dict[str, Any] = field(default_factory=dict)  # config overrides; without name_or_path: model_type + sizes
+    dropout: Optional[float] = None  # null: the model's own; 0 (or p): every dropout probability set to it
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto: the weights as loaded (training: trainer.precision)
+    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2 …; null: the library's choice
+    trust_remote_code: bool = False
+    revision: Optional[str] = None  # a Hub branch, tag or commit
+
+
+@dataclass
+class HFCausalLMModel(HFModel):
+    _target_: str = "accutrain.models.hf.causal_lm"
+
+
+@dataclass
+class HFSeqClsModel(HFModel):
+    _target_: str = "accutrain.models.hf.seq_cls"
+
+
+# --- data/ --------------------------------------------------------------------------------------------
+# `_target_` returns an accutrain.data.Datasets; num_workers is the loader's, not the factory's.
+@dataclass
+class DataConfig:
+    _target_: str = MISSING
+    num_workers: int = 0
+    input_keys: Optional[List[str]] = None  # mapping items: the model's keyword inputs; null: all but target_key
+    target_key: str = "labels"  # mapping items: the target
+
+
+@dataclass
+class DigitsData(DataConfig):
+    _target_: str = "accutrain.data.digits"
+
+
+@dataclass
+class SyntheticData(DataConfig):
+    _target_: str = "accutrain.data.synthetic"
+    size: int = 1000  # training samples
+    val_size: int = 200
+    image_size: int = 16
+    num_classes: int = 10
+    channels: int = 3
+    noise: float = 1.0
+    seed: int = II("seed")
+
+
+@dataclass
+class TorchvisionData(DataConfig):
+    _target_: str = "accutrain.data.torchvision_dataset"
+    name: str = MISSING  # cifar10 | mnist
+    root: str = "data"
+    download: bool = False
+
+
+@dataclass
+class SequenceData(DataConfig):
+    _target_: str = "accutrain.data.sequences"
+    size: int = 2000  # training sequences
+    val_size: int = 200
+    vocab: int = 24
+    min_length: int = 4
+    max_length: int = 32  # sequences are padded to this; padded positions are ignored by the loss
+    seed: int = II("seed")
+    pad_target: int = II("loss.ignore_index")
+
+
+@dataclass
+class TextData(DataConfig):
+    _target_: str = "accutrain.data.text.text_data"
+    train: str = MISSING  # a .txt file (a sample per non-empty line) or .jsonl (text, or prompt/response[, label])
+    val: Optional[str] = None  # the held-out file; null: val_fraction of train, held out by the seed
+    val_fraction: float = 0.1
+    tokenizer: str = "bytes"  # bytes (built in: UTF-8 bytes, no download) | a Hugging Face tokenizer name or path
+    max_length: int = 512  # tokens per sample (longer ones are truncated), or per block with packing
+    packing: bool = False  # concatenate the samples (each ending with EOS) and cut them into max_length blocks
+    padding: str = "longest"  # longest: a micro-batch is padded to its own longest sample | max_length
+    text_field: str = "text"
+    prompt_field: str = "prompt"  # with response_field: the prompt is masked out of the loss
+    response_field: str = "response"
+    label_field: Optional[str] = "label"  # records carrying it make a sequence classification set
+    seed: int = II("seed")
+    ignore_index: int = II("loss.ignore_index")
+
+
+@dataclass
+class ImageFolderData(DataConfig):
+    _target_: str = "accutrain.data.image_folder"
+    root: str = MISSING
+    image_size: int = 224
+    channels: int = 3
+
+
+# --- optim/ and sched/ --------------------------------------------------------------------------------
+@dataclass
+class OptimConfig:
+    _target_: str = MISSING
+    lr: float = MISSING
+    weight_decay: float = 0.0
+    lr_scaling: LRScaling = LRScaling.none
+    base_batch: Optional[int] = None  # the effective batch optim.lr was tuned for; needed by lr_scaling
+
+
+@dataclass
+class SGDOptim(OptimConfig):
+    _target_: str = "accutrain.models.optim.sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+
+
+@dataclass
+class AdamWOptim(OptimConfig):
+    _target_: str = "accutrain.models.optim.adamw"
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+@dataclass
+class SchedConfig:
+    _target_: str = MISSING
+    warmup_steps: int = 0
+
+
+@dataclass
+class ConstantSched(SchedConfig):
+    _target_: str = "accutrain.models.sched.constant"
+
+
+@dataclass
+class CosineSched(SchedConfig):
+    _target_: str = "accutrain.models.sched.cosine"
+    min_lr_ratio: float = 0.0  # final lr as a fraction of the peak lr
+
+
+@dataclass
+class LossConfig:
+    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples
+    ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
+    shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
+    label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class
+
+
+# --- augment/ ------------------------------------------------------------------------------------------
+class Crop(enum.Enum):
+    none = "none"  # the fixed view's geometry
+    pad = "pad"  # pad `padding` pixels, then a random crop back to the image size (CIFAR)
+    resized = "resized"  # RandomResizedCrop(image size, scale, ratio) (ImageNet)
+    auto = "auto"  # resized for data=imagefolder (photos of any size), pad otherwise
+
+
+@dataclass
+class AugmentConfig:
+    """The training view of each image (torchvision transforms.v2), drawn per sample from (seed, epoch, sample), and
+    MixUp/CutMix, drawn per window from (seed, epoch, window). Evaluation is never augmented."""
+
+    crop: Crop = Crop.none
+    padding: int = 4  # crop=pad
+    scale: List[float] = field(default_factory=lambda: [0.08, 1.0])  # crop=resized: the crop's area, of the image's
+    ratio: List[float] = field(default_factory=lambda: [0.75, 4 / 3])  # crop=resized: its aspect ratio
+    flip: bool = False  # random horizontal flip (p=0.5)
+    policy: Optional[str] = None  # trivialaugment | randaugment | null
+    num_ops: int = 2  # policy=randaugment
+    magnitude: int = 9  # policy=randaugment
+    random_erasing: float = 0.0  # the probability of erasing a random rectangle (after normalisation)
+    eval_crop_ratio: float = 1.0  # evaluation: resize to image_size / this, centre-crop image_size
+    mixup_alpha: float = 0.0  # MixUp's Beta(α, α); 0: off
+    cutmix_alpha: float = 0.0  # CutMix's Beta(α, α); 0: off
+    mix_prob: float = 1.0  # the probability that a window (mix_mode=window) or a sample is mixed
+    switch_prob: float = 0.5  # with both on: the probability of CutMix rather than MixUp
+    mix_mode: MixMode = MixMode.window

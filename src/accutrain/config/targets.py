@@ -1,0 +1,93 @@
+"""User plug-ins: the callable a `_target_` names, and the keyword arguments a group's config passes to it."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain.config.train import OWN_KEYS
+from accutrain.errors import UserError, one_line
+
+log = logging.getLogger("accutrain")
+
+# accutrain 0.1's flat modules that a `_target_` may still name (a saved config, a user's yaml), and their homes since
+# the package was layered; the built-in models' and data's factories kept their paths (accutrain.models.mlp, …).
+MOVED = {
+    "accutrain.optim": "accutrain.models.optim", "accutrain.sched": "accutrain.models.sched",
+    "accutrain.hf": "accutrain.models.hf", "accutrain.ema": "accutrain.models.ema",
+    "accutrain.text": "accutrain.data.text", "accutrain.views": "accutrain.data.views",
+    "accutrain.tokenizer": "accutrain.data.tokenizer", "accutrain.batches": "accutrain.core.batches",
+    "accutrain.sweep": "accutrain.report.sweep", "accutrain.metrics": "accutrain.train.metrics",
+}
+
+
+def moved(target: str) -> str:
+    """`target` with a module of accutrain 0.1 replaced by its new home (said once in the log), else itself."""
+    for old, new in MOVED.items():
+        if target.startswith(old + "."):
+            log.warning(f"{target}: {old} is now {new}; write {new + target[len(old):]} (the old path stops working "
+                        "in a later version)")
+            return new + target[len(old):]
+    return target
+
+
+def load_target(key: str, target: str) -> Callable[..., Any]:
+    """The callable a `_target_` names (module.attribute); one clear line when it cannot be imported."""
+    parts = moved(target).split(".")
+    first_error: Optional[ImportError] = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError as e:
+            first_error = first_error or e
+            continue
+        for j, attr in enumerate(parts[i:]):
+            if not hasattr(obj, attr):
+                raise UserError(f"{key}={target}: {'.'.join(parts[: i + j])} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        if not callable(obj):
+            raise UserError(f"{key}={target} is not callable: expected a class or function")
+        return obj
+    raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
+
+
+def factory(group: str, node: DictConfig | dict, key: Optional[str] = None
+            ) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """(the callable `group._target_` names, the node's other keys as plain Python values), leaving out the keys
+    accutrain applies itself (config.OWN_KEYS). `key` names the node in errors when it is not the group itself."""
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    target = load_target(f"{key or group}._target_", values["_target_"])
+    return target, {k: v for k, v in values.items() if k not in OWN_KEYS[group]}
+
+
+def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `offered` that `target` takes (by name, or all of them through **kwargs)."""
+    params = inspect.signature(target).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in offered.items() if takes_any or k in params}
+
+
+def plugin_failure(error: BaseException, cfg: DictConfig) -> Optional[str]:
+    """When `error` was raised in the code of a user plug-in (a `_target_` outside accutrain), one line naming it,
+    the error and where: `the model mymodels.Net raised RuntimeError: … (mymodels.py:12, in forward)`; else None."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for group in OWN_KEYS:
+        target = OmegaConf.select(cfg, f"{group}._target_")
+        if not isinstance(target, str) or target.startswith("accutrain."):
+            continue
+        parts = target.split(".")
+        modules = [sys.modules.get(".".join(parts[:i])) for i in range(len(parts) - 1, 0, -1)]
+        source = next((getattr(m, "__file__", None) for m in modules if m is not None), None)
+        if source is None:
+            continue
+        here = [f for f in frames if os.path.realpath(f.filename) == os.path.realpath(source)]
+        if here:
+            where = f"{os.path.basename(here[-1].filename)}:{here[-1].lineno}, in {here[-1].name}"
+            return f"the {group} {target} raised {one_line(error)} ({where})"
+    return None

@@ -1,0 +1,254 @@
+"""The typed config: the trainer's and the top level's schemas, those of `strategy/`, `logger/` and
+`batch_schedule/` (the model, data, augment, optim, sched and loss schemas are in accutrain.config.schemas), registering
+them all in Hydra's ConfigStore, where the yaml files live, and composing them.
+
+Every built-in group option (`configs/model/*.yaml`, …) starts from one of these schemas, so an unknown key
+or a wrong type is refused by name when Hydra composes the config, before anything runs. The checks a type
+cannot express are in accutrain.config.validate.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from accutrain.config.schemas import (AdamWOptim, AugmentConfig, CharLMModel, CNNModel, ConstantSched, CosineSched,
+                                      DigitsData, HFCausalLMModel, HFSeqClsModel, ImageFolderData, LossConfig, MLPModel,
+                                      SequenceData, SGDOptim, SyntheticData, TextData, TorchvisionData,
+                                      TorchvisionModel)
+from accutrain.core.options import LastWindow
+
+
+class OnNonFinite(enum.Enum):
+    stop = "stop"  # stop with a clear line naming the step
+    skip = "skip"  # drop the window's gradients: no optimizer or scheduler step; counted and logged
+
+
+class Sync(enum.Enum):
+    each = "each"  # strategy=fsdp: reduce-scatter every micro-batch's gradients; only the shards stay between
+    last = "last"  # … only the window's last one: one reduction per step; unsharded gradients stay between
+
+
+class CheckpointFormat(enum.Enum):
+    full = "full"  # rank 0 gathers everything into one file (torch.load(weights_only=True) reads it)
+    sharded = "sharded"  # one directory (PyTorch Distributed Checkpoint), each rank writes its own shard
+
+
+class ScheduleUnit(enum.Enum):
+    samples = "samples"  # batch_schedule.at counts samples seen
+    epochs = "epochs"  # … epochs (× the training set)
+    fraction = "fraction"  # … a fraction of the run's training samples (trainer.epochs × the training set)
+
+
+class Ramp(enum.Enum):
+    linear = "linear"  # interpolate between the points
+    step = "step"  # hold each batch until the next point
+
+
+# --- strategy/ ----------------------------------------------------------------------------------------
+# How the ranks share the model; accutrain applies every key itself.
+@dataclass
+class StrategyConfig:
+    name: str = MISSING  # ddp | fsdp: chosen with strategy=ddp|fsdp, which brings that strategy's keys
+
+
+@dataclass
+class DDPStrategy(StrategyConfig):
+    name: str = "ddp"  # every rank holds the whole model, gradients and optimizer state
+
+
+@dataclass
+class FSDPStrategy(StrategyConfig):
+    name: str = "fsdp"  # PyTorch FSDP2: parameters, gradients and optimizer state sharded across the ranks
+    wrap: Optional[List[str]] = None  # class names of the modules sharded as units; null: the repeated blocks
+    sync: Sync = Sync.each  # each | last: reduce-scatter gradients every micro-batch, or on the window's last only
+    reshard_after_forward: bool = True  # free the gathered parameters after forward (gathered again in backward)
+    cpu_offload: bool = False  # weights, gradients and the optimizer step in host memory (CPUOffloadPolicy)
+    checkpoint: CheckpointFormat = CheckpointFormat.full  # full: one file by rank 0 | sharded: a DCP directory
+# --- logger/ -------------------------------------------------------------------------------------------
+# `logger` maps a name to a tracker (accutrain.trackers); every key but `_target_` is a keyword argument of it.
+@dataclass
+class TrackerConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class CSVTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.csv.CSV"
+    filename: str = "metrics.csv"  # in the run directory
+
+
+@dataclass
+class TensorBoardTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.tensorboard.TensorBoard"
+    log_dir: Optional[str] = None  # null: the run directory itself; a relative path is taken inside it
+    flush_secs: int = 30  # the event file is written at least this often (and before every checkpoint)
+
+
+@dataclass
+class MLflowTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.mlflow.MLflow"
+    tracking_uri: Optional[str] = None  # null: sqlite:///<the run directory's parent>/mlflow.db
+    experiment: Optional[str] = None  # null: the sweep's directory for a sweep's job, else "accutrain"
+    run_name: Optional[str] = None  # null: the run directory's name and the overrides
+    tags: Dict[str, str] = field(default_factory=dict)
+    flush_secs: float = 10.0  # metrics are sent at least this often (and before every checkpoint, and at the end)
+
+
+@dataclass
+class WandBTracker(TrackerConfig):
+    _target_: str = "accutrain.trackers.wandb.WandB"
+    project: Optional[str] = None  # null: WANDB_PROJECT, else accutrain
+    entity: Optional[str] = None  # null: WANDB_ENTITY, else your default entity (online)
+    mode: Optional[str] = None  # offline | online | disabled; null: WANDB_MODE, else offline
+    group: Optional[str] = None  # null: the sweep's directory for a sweep's job
+    name: Optional[str] = None  # null: the run directory's name and the overrides
+    tags: List[str] = field(default_factory=list)
+
+
+# --- trainer and the top level ------------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    epochs: Optional[int] = 5
+    max_steps: Optional[int] = None  # optimizer steps; training stops at whichever of the two comes first
+    last_window: LastWindow = LastWindow.step
+    grad_clip: Optional[float] = None  # max global gradient norm, applied once per optimizer step
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_every: Optional[int] = None  # optimizer steps between evaluations; null: at the end of every epoch
+    eval_batch: Optional[int] = None  # null: micro_batch
+    log_every: int = 50  # optimizer steps between log lines in train.log (metrics.jsonl gets every step)
+    progress: bool = True  # the tqdm bar (counts optimizer steps)
+    checkpoint_every: Optional[int] = None  # optimizer steps; a checkpoint is also written at the end and on SIGTERM
+    keep_checkpoints: int = 3  # step-*.pt files kept in checkpoints/ (last.pt is the newest)
+    on_nonfinite: OnNonFinite = OnNonFinite.stop  # a NaN/Inf loss or gradient in a window
+    precision: str = "32"  # 32 | bf16-mixed | 16-mixed (autocast; 16: GradScaler) | bf16-true (bf16 weights)
+    accum_dtype: Optional[str] = None  # float32: sum half-precision gradients in float32 buffers
+    activation_checkpointing: bool = False  # recompute activations in backward
+    offload_grads: bool = False  # keep the accumulating gradients in (pinned) CPU memory between micro-batches
+    memory_budget_mb: Optional[float] = None  # micro_batch=auto: the memory a trial step may peak at (CPU: needed)
+    check: bool = False  # run accutrain-check's comparison on the first window before training
+    ema: Optional[float] = None  # decay of an exponential moving average of the weights (e.g. 0.999); null: none
+    ema_warmup: bool = False  # decay min(ema, (1 + n) / (10 + n)) after n updates: the average forgets its start
+    ema_device: Optional[str] = None  # where the average lives: null beside the weights, or cpu
+    monitor: str = "val_acc"  # the evaluation metric best.pt and early stopping follow (val_loss, val_acc, *_ema)
+    monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
+    early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
+    min_delta: float = 0.0  # an improvement must exceed this to count
+    deterministic: bool = False  # deterministic cuDNN/cuBLAS algorithms: bit-identical resume on CUDA too
+    tf32: Optional[bool] = None  # float32 matmuls and convolutions on CUDA in TF32 (true) or full float32 (false)
+    dist_timeout_s: float = 1800.0  # how long the other ranks wait for rank-0-only work (download, check, checkpoint)
+    # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
+    # under submitit the job is then requeued and resumes).
+    preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
+    overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
+    tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
+    compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once
+    compile_mode: Optional[str] = None  # torch.compile's mode: default | reduce-overhead | max-autotune | …
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for debugging)
+
+
+# --- batch_schedule/ -------------------------------------------------------------------------------------
+@dataclass
+class BatchScheduleConfig:
+    at: List[float] = MISSING  # where each point begins, in `unit`; ascending, the first 0
+    batch: List[int] = MISSING  # the effective batch from each point on (multiples of micro_batch × devices)
+    unit: ScheduleUnit = ScheduleUnit.fraction
+    ramp: Ramp = Ramp.linear
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: Any = MISSING
+    sched: Any = MISSING
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    strategy: Any = MISSING
+    loss: LossConfig = field(default_factory=LossConfig)
+    logger: Dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
+    # OmegaConf, explains a bad value (see validate).
+    micro_batch: Any = 32
+    accum: Any = None  # null: derived from global_batch, else 1
+    devices: Any = 1
+    global_batch: Any = None
+    seed: int = 0
+    resume: Optional[str] = None  # a checkpoint path, or auto: the newest good one in this run directory
+    batch_schedule: Optional[BatchScheduleConfig] = None  # the effective batch by samples seen; null: fixed
+
+
+SCHEMAS = {
+    (None, "train_schema"): TrainConfig,
+    ("model", "torchvision_schema"): TorchvisionModel,
+    ("model", "mlp_schema"): MLPModel,
+    ("model", "cnn_schema"): CNNModel,
+    ("model", "char_lm_schema"): CharLMModel,
+    ("model", "hf_causal_lm_schema"): HFCausalLMModel,
+    ("model", "hf_seq_cls_schema"): HFSeqClsModel,
+    ("data", "digits_schema"): DigitsData,
+    ("data", "synthetic_schema"): SyntheticData,
+    ("data", "torchvision_schema"): TorchvisionData,
+    ("data", "image_folder_schema"): ImageFolderData,
+    ("data", "sequences_schema"): SequenceData,
+    ("data", "text_schema"): TextData,
+    ("optim", "sgd_schema"): SGDOptim,
+    ("optim", "adamw_schema"): AdamWOptim,
+    ("sched", "constant_schema"): ConstantSched,
+    ("sched", "cosine_schema"): CosineSched,
+    ("strategy", "ddp_schema"): DDPStrategy,
+    ("strategy", "fsdp_schema"): FSDPStrategy,
+    ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
+    ("augment", "augment_schema"): AugmentConfig,
+    ("logger", "csv_schema"): CSVTracker,
+    ("logger", "tensorboard_schema"): TensorBoardTracker,
+    ("logger", "mlflow_schema"): MLflowTracker,
+    ("logger", "wandb_schema"): WandBTracker,
+}
+
+
+# Keys of each group that accutrain applies itself; every other key is a keyword argument of the group's _target_.
+OWN_KEYS = {
+    "model": ("_target_", "sync_batchnorm", "norm", "norm_groups"),
+    "data": ("_target_", "num_workers", "input_keys", "target_key"),
+    "optim": ("_target_", "lr_scaling", "base_batch"),
+    "sched": ("_target_",),
+    "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),
+    "logger": ("_target_",),  # each logger.<name> is a tracker; its other keys are its keyword arguments
+}
+
+
+@functools.cache
+def register_schemas() -> None:
+    """Put the schemas in Hydra's ConfigStore, once per process (storing converts every dataclass to a config: a
+    tenth of a second, which every composition would otherwise pay again); the yaml files name them in their
+    defaults."""
+    cs = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        cs.store(group=group, name=name, node=node)
+
+
+def config_dir() -> Path:
+    """The configs: inside the package in a wheel, at the repository's top level in an editable install."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "configs", package.parent.parent / "configs"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise RuntimeError(f"accutrain's configs are missing (looked in {package / 'configs'}): reinstall accutrain")
+
+
+def compose(*overrides: str, hydra: bool = False) -> DictConfig:
+    """The config `accutrain <overrides>` would run with, composed in this process (tests, scripts); with hydra=True
+    it includes the `hydra` node (launcher, sweeper, callbacks)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_schemas()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra)

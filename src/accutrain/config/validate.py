@@ -1,0 +1,198 @@
+"""The checks of a composed config that a type cannot express, run once per start, before anything is written and
+before PyTorch is imported; the batch arithmetic too, where the devices are known (a number, not auto)."""
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain.core.monitor import METRICS
+from accutrain.core.options import LRScaling
+from accutrain.core.plan import derive_accum
+from accutrain.errors import UserError
+from accutrain.signals import UNCATCHABLE
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # trainer.compile_mode
+
+
+def positive_int(cfg: DictConfig, key: str, *, allow: tuple[Any, ...] = ()) -> None:
+    """Refuse anything but a positive int (or one of `allow`) with one line naming key, value and what is valid."""
+    value = cfg[key]
+    if value in allow:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= sys.maxsize:
+        valid = " or ".join(["a positive integer", *("null" if a is None else str(a) for a in allow)])
+        limit = f", at most {sys.maxsize}" if isinstance(value, int) and value > sys.maxsize else ""
+        raise UserError(f"{key}={value!r} is not valid: expected {valid}{limit} (e.g. {key}=8)")
+
+
+def validate(cfg: DictConfig) -> None:
+    """The checks a type cannot express, and micro_batch × accum × devices = global_batch where all are numbers
+    (make_plan checks it again once micro_batch=auto and devices=auto are known)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"{', '.join(missing)} must be set: add {' '.join(k + '=…' for k in missing)} to the command")
+    positive_int(cfg, "micro_batch", allow=("auto",))
+    positive_int(cfg, "accum", allow=(None,))
+    positive_int(cfg, "global_batch", allow=(None,))
+    positive_int(cfg, "devices", allow=("auto",))
+    t = cfg.trainer
+    if t.epochs is None and t.max_steps is None:
+        raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
+    for key in ("epochs", "max_steps", "eval_every", "eval_batch", "checkpoint_every"):
+        if t[key] is not None and not 1 <= t[key] <= sys.maxsize:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer or null"
+                            + (f", at most {sys.maxsize}" if t[key] > 0 else ""))
+    for key in ("log_every", "keep_checkpoints"):
+        if not 1 <= t[key] <= sys.maxsize:
+            raise UserError(f"trainer.{key}={t[key]} is not valid: expected a positive integer"
+                            + (f", at most {sys.maxsize}" if t[key] > 0 else ""))
+    if t.overwrite and cfg.resume is not None:
+        raise UserError(f"resume={cfg.resume} continues a run and trainer.overwrite=true deletes the run directory's "
+                        "earlier run: choose one")
+    if t.grad_clip is not None and t.grad_clip <= 0:
+        raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
+    if cfg.get("batch_schedule") is not None and (cfg.accum is not None or cfg.global_batch is not None):
+        key = "accum" if cfg.accum is not None else "global_batch"
+        raise UserError(f"batch_schedule sets the effective batch of every window: drop {key}={cfg[key]} (accum "
+                        "follows from the schedule and micro_batch × devices)")
+    if cfg.micro_batch == "auto" and cfg.global_batch is None and cfg.get("batch_schedule") is None:
+        raise UserError("micro_batch=auto needs global_batch=N: the effective batch to keep while it finds the "
+                        "largest micro-batch that fits")
+    if cfg.micro_batch == "auto" and cfg.accum is not None:
+        raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
+    if cfg.micro_batch != "auto" and cfg.devices != "auto" and cfg.get("batch_schedule") is None:
+        derive_accum(cfg.micro_batch, cfg.devices, cfg.accum, cfg.global_batch)
+    if t.accum_dtype not in (None, "float32"):
+        raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
+    if t.dist_timeout_s <= 0:
+        raise UserError(f"trainer.dist_timeout_s={t.dist_timeout_s} is not valid: expected a positive number of "
+                        "seconds")
+    if t.get("export") not in (None, "hf"):
+        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
+    if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
+        raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
+    if cfg.model.get("norm_groups", 1) < 1:
+        raise UserError(f"model.norm_groups={cfg.model.norm_groups} is not valid: expected a positive integer")
+    if cfg.data.num_workers < 0:
+        raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
+    if cfg.sched.warmup_steps < 0:
+        raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
+    if cfg.optim.lr <= 0:
+        raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")
+    if cfg.optim.base_batch is not None and cfg.optim.base_batch < 1:
+        raise UserError(f"optim.base_batch={cfg.optim.base_batch} is not valid: expected a positive batch size or null")
+    if cfg.optim.lr_scaling is not LRScaling.none and cfg.optim.base_batch is None:
+        raise UserError(f"optim.lr_scaling={cfg.optim.lr_scaling.name} needs optim.base_batch, the effective batch "
+                        f"optim.lr was tuned for (e.g. optim.base_batch=32)")
+    if t.ema is not None and not 0 < t.ema < 1:
+        raise UserError(f"trainer.ema={t.ema} is not valid: expected a decay between 0 and 1 (e.g. 0.999) or null")
+    if t.ema_device not in (None, "cpu"):
+        raise UserError(f"trainer.ema_device={t.ema_device} is not valid: expected cpu or null (beside the weights)")
+    if t.monitor not in METRICS:
+        raise UserError(f"trainer.monitor={t.monitor} is not valid: expected one of {', '.join(METRICS)}")
+    if t.monitor.endswith("_ema") and t.ema is None:
+        raise UserError(f"trainer.monitor={t.monitor} is never measured without an average of the weights: set "
+                        f"trainer.ema (e.g. trainer.ema=0.999) or monitor {t.monitor.removesuffix('_ema')}")
+    if t.monitor_mode not in (None, "min", "max"):
+        raise UserError(f"trainer.monitor_mode={t.monitor_mode} is not valid: expected min, max or null")
+    if t.early_stopping is not None and t.early_stopping < 1:
+        raise UserError(f"trainer.early_stopping={t.early_stopping} is not valid: expected a patience of 1 or more "
+                        "evaluations, or null")
+    if t.min_delta < 0:
+        raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
+    validate_compile(t)
+    augment_and_loss(cfg)
+    for name in t.preempt_signals:
+        if name not in signal.Signals.__members__ or name in UNCATCHABLE:
+            raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
+                            "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
+    validate_strategy(cfg)
+
+
+def augment_and_loss(cfg: DictConfig) -> None:
+    """augment.* and loss.label_smoothing: ranges a type cannot express."""
+    a, key = cfg.augment, "augment"
+    if a.padding < 0:
+        raise UserError(f"{key}.padding={a.padding} is not valid: expected 0 or more pixels")
+    for name, low in (("scale", 0.0), ("ratio", 0.0)):
+        pair = list(a[name])
+        if len(pair) != 2 or not low < pair[0] <= pair[1] or (name == "scale" and pair[1] > 1):
+            what = ("the crop's area as a fraction of the image's, 0 < min <= max <= 1 (a crop cannot be larger "
+                    "than the image)" if name == "scale" else "the crop's aspect ratio range, 0 < min <= max")
+            raise UserError(f"{key}.{name}={pair} is not valid: expected [min, max], {what}")
+    if a.policy not in (None, "trivialaugment", "randaugment"):
+        raise UserError(f"{key}.policy={a.policy} is not valid: expected trivialaugment, randaugment or null")
+    if a.num_ops < 1 or not 0 <= a.magnitude <= 30:
+        bad = "num_ops" if a.num_ops < 1 else "magnitude"
+        raise UserError(f"{key}.{bad}={a[bad]} is not valid: expected " +
+                        ("1 or more operations" if bad == "num_ops" else "a magnitude from 0 to 30"))
+    for name in ("random_erasing", "mix_prob", "switch_prob"):
+        if not 0 <= a[name] <= 1:
+            raise UserError(f"{key}.{name}={a[name]} is not valid: expected a probability between 0 and 1")
+    if not 0 < a.eval_crop_ratio <= 1:
+        raise UserError(f"{key}.eval_crop_ratio={a.eval_crop_ratio} is not valid: expected 0 < ratio <= 1 (0.875: "
+                        "resize to image_size / 0.875, centre-crop image_size)")
+    for name in ("mixup_alpha", "cutmix_alpha"):
+        if a[name] < 0:
+            raise UserError(f"{key}.{name}={a[name]} is not valid: expected 0 (off) or a positive Beta(α, α) "
+                            "parameter (e.g. 0.2 for MixUp, 1.0 for CutMix)")
+    if not 0 <= cfg.loss.label_smoothing < 1:
+        raise UserError(f"loss.label_smoothing={cfg.loss.label_smoothing} is not valid: expected 0 <= ε < 1 "
+                        "(e.g. 0.1)")
+
+
+def validate_strategy(cfg: DictConfig) -> None:
+    """strategy=: its name is the option's, and FSDP is refused with what it cannot combine with, key by key."""
+    s, t = cfg.strategy, cfg.trainer
+    if s.name not in ("ddp", "fsdp") or (s.name == "fsdp") != ("sync" in s):
+        raise UserError(f"strategy.name={s.name} is not valid: choose the strategy with strategy=ddp or strategy=fsdp "
+                        "(which brings its keys)")
+    if s.name != "fsdp":
+        return
+    refused = [
+        (cfg.micro_batch == "auto", "micro_batch=auto", "a trial step that runs out of memory on one rank would "
+         "leave the others waiting in FSDP's collectives; give micro_batch=N"),
+        (t.offload_grads, "trainer.offload_grads=true", "use strategy.cpu_offload=true, which keeps the sharded "
+         "weights, gradients and optimizer state in host memory"),
+        (t.accum_dtype is not None, f"trainer.accum_dtype={t.accum_dtype}", "with trainer.precision=bf16-mixed FSDP "
+         "already reduces and accumulates gradients in float32"),
+        (str(t.precision) == "16-mixed", "trainer.precision=16-mixed", "float16 with a GradScaler is not verified "
+         "with FSDP; use bf16-mixed"),
+        (cfg.model.get("sync_batchnorm", False), "model.sync_batchnorm=true", "use model.norm=group or "
+         "model.norm=frozen"),
+        (t.ema_device is not None, f"trainer.ema_device={t.ema_device}", "the average is sharded like the weights "
+         "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
+        (t.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not verified with "
+         "accutrain's exact accumulation; use strategy=ddp to compile"),
+        (t.get("export") is not None, f"trainer.export={t.get('export')}", "save_pretrained needs the whole model in "
+         "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
+    ]
+    for bad, key, remedy in refused:
+        if bad:
+            raise UserError(f"strategy=fsdp cannot be combined with {key}: {remedy}")
+
+
+def validate_compile(trainer: Any) -> None:
+    """trainer.compile, compile_mode and compile_backend: one line for what cannot work."""
+    if trainer.compile_mode is not None and trainer.compile_mode not in COMPILE_MODES:
+        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is not valid: expected one of "
+                        f"{', '.join(COMPILE_MODES)}, or null")
+    if not trainer.compile:
+        if trainer.compile_mode is not None:
+            raise UserError(f"trainer.compile_mode={trainer.compile_mode} does nothing without trainer.compile=true")
+        return
+    import torch._dynamo  # here, not above: the other checks run before the command line imports PyTorch
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise UserError("trainer.compile=true: torch.compile does not support this Python/PyTorch; "
+                        "use trainer.compile=false")
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if trainer.compile_backend not in backends:
+        raise UserError(f"trainer.compile_backend={trainer.compile_backend} is not valid: expected one of "
+                        f"{', '.join(sorted(backends))}")
+    if trainer.compile_mode is not None and trainer.compile_backend != "inductor":
+        raise UserError(f"trainer.compile_mode={trainer.compile_mode} is a mode of the inductor backend, not of "
+                        f"trainer.compile_backend={trainer.compile_backend}")

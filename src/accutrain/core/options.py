@@ -1,0 +1,28 @@
+"""The choices the core's arithmetic takes, as enums without a dependency: the typed config (accutrain.config)
+names them before PyTorch is imported."""
+from __future__ import annotations
+
+import enum
+
+
+class Normalize(enum.Enum):
+    auto = "auto"  # the model's preference: tokens for model=hf_causal_lm, else samples
+    samples = "samples"  # the window's loss is the mean over its samples
+    elements = "elements"  # … over its elements (tokens, pixels), ignoring loss.ignore_index
+    tokens = "tokens"  # the same as elements
+
+
+class LRScaling(enum.Enum):
+    none = "none"  # optim.lr as given
+    linear = "linear"  # optim.lr × effective batch / optim.base_batch (the linear scaling rule)
+    sqrt = "sqrt"  # optim.lr × √(effective batch / optim.base_batch), for adaptive optimisers
+
+
+class MixMode(enum.Enum):
+    window = "window"  # one draw per window: mix or not, MixUp or CutMix, λ (and CutMix's box)
+    sample = "sample"  # one draw per sample
+
+
+class LastWindow(enum.Enum):
+    step = "step"  # step on the incomplete last window of an epoch, normalised by its real size
+    drop = "drop"  # drop it

@@ -1,0 +1,209 @@
+"""Windows: the seed's permutation of the training set, cut into windows, cut into this rank's micro-batches — and the
+loader that walks them, the one walk the loop consumes.
+
+A window is every sample of one optimizer step: a contiguous slice of the epoch's permutation, which depends
+on (seed, epoch) only. How the window is cut into micro-batches and ranks never changes which samples are in
+it, so `micro_batch=8 accum=4` and `micro_batch=32 accum=1` take their steps on the same samples.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from accutrain import seeding
+from accutrain.core.batches import Batch, BatchFormat
+from accutrain.core.mixing import Mix, Mixer
+from accutrain.core.plan import BatchPlan
+
+
+@dataclass(frozen=True)
+class Window:
+    """One optimizer step's samples, as this rank sees them."""
+
+    epoch: int
+    index: int  # position in the epoch
+    size: int  # samples in the whole window, all ranks together
+    sizes: tuple[int, ...]  # this rank's micro-batches, in samples (every rank has as many; the last ones may be 0)
+    batch: int  # the effective batch it stands for: its size, or more for an epoch's incomplete last window
+
+
+class MicroBatch(list):
+    """The dataset indices of one of this rank's micro-batches (possibly none), the window it belongs to, and (with
+    MixUp/CutMix) how each of its samples is mixed."""
+
+    def __init__(self, indices: Iterable[int], window: Window, mixes: Optional[list[Mix]] = None) -> None:
+        super().__init__(indices)
+        self.window, self.mixes = window, mixes
+
+    @classmethod
+    def join(cls, parts: list[MicroBatch]) -> MicroBatch:
+        """The micro-batches of one window as one."""
+        mixes = None if parts[0].mixes is None else [m for part in parts for m in part.mixes or []]
+        return cls([i for part in parts for i in part], parts[0].window, mixes)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The permutation of range(n) that epoch `epoch` of a run seeded `seed` visits."""
+    return torch.randperm(n, generator=seeding.generator(seed, epoch))
+
+
+def rank_share(samples: list[int], micro_batch: int, rank: int, world: int) -> list[list[int]]:
+    """Cut a window into consecutive micro-batches; micro-batch k runs at micro-step k // world on rank k % world.
+
+    A full window gives every rank `accum` micro-batches of `micro_batch`; a short one leaves the last
+    micro-step of some ranks short or empty, never padded or duplicated.
+    """
+    chunks = [samples[i : i + micro_batch] for i in range(0, len(samples), micro_batch)]
+    steps = -(-len(chunks) // world)
+    return [chunks[k] if k < len(chunks) else [] for k in range(rank, steps * world, world)]
+
+
+class WindowSampler(Sampler[MicroBatch]):
+    """Batch sampler for a DataLoader: this rank's micro-batches, window after window, empty ones included."""
+
+    def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1, mixer: Optional[Mixer] = None
+                 ) -> None:
+        self.plan, self.seed, self.rank, self.world, self.mixer = plan, seed, rank, world, mixer
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start_window: int = 0) -> None:
+        """Select the epoch (and the window to begin at, for resuming) that the next iteration visits."""
+        self.epoch, self.start = epoch, start_window
+
+    def windows(self) -> Iterator[list[MicroBatch]]:
+        """This rank's micro-batches of each window of the epoch, from the start window on."""
+        order = epoch_order(self.plan.train_size, self.seed, self.epoch)
+        sizes = self.plan.window_sizes(self.epoch)
+        seen, start = self.plan.seen_before(self.epoch), sum(sizes[: self.start])
+        for index in range(self.start, len(sizes)):
+            samples = order[start : start + sizes[index]].tolist()
+            share = rank_share(samples, self.plan.micro_batch, self.rank, self.world)
+            window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share),
+                            self.plan.batch_at(seen + start))
+            start += len(samples)
+            if self.mixer is None:
+                yield [MicroBatch(indices, window) for indices in share]
+            else:  # the whole window's draws, cut like its samples: every rank knows every partner
+                mixes = rank_share(self.mixer.plan(self.epoch, index, samples), self.plan.micro_batch, self.rank,
+                                   self.world)
+                yield [MicroBatch(indices, window, mix) for indices, mix in zip(share, mixes)]
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for micro_batches in self.windows():
+            yield from micro_batches
+
+    def __len__(self) -> int:
+        """This rank's micro-batches from the start window to the end of the epoch (empty ones included)."""
+        sizes = self.plan.window_sizes(self.epoch)[self.start :]
+        return sum(math.ceil(math.ceil(size / self.plan.micro_batch) / self.world) for size in sizes)
+
+
+class WindowData(Dataset):
+    """The training set as the train loader reads it: a MicroBatch's samples, as a Batch, with its window. A dataset
+    with random views (accutrain.data.views.Views) gives each sample its view of the window's epoch; with a `mixer`
+    each sample is mixed with its partner, which this loader reads too (accutrain.core.mixing). An empty micro-batch (a
+    rank whose share of a short window ran out: it still takes part in the window's gradient all-reduce) becomes a
+    stand-in — the first two samples, marked so that they add nothing (many models cannot take zero samples) — or,
+    with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples."""
+
+    def __init__(self, dataset: Dataset, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True,
+                 mixer: Optional[Mixer] = None) -> None:
+        self.dataset, self.format, self.stand_in, self.mixer = dataset, batch_format, stand_in, mixer
+        self._empty: Optional[Batch] = None
+        # A dataset of in-memory tensors (accutrain.data.InMemory) gathers a micro-batch in one indexing, where
+        # torch's own collate would stack the same rows item by item.
+        plain = batch_format.collate is default_collate and mixer is None
+        self.gather: Optional[Callable[[list[int]], tuple[Any, Any]]] = getattr(dataset, "gather", None) if plain \
+            else None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def item(self, epoch: int, index: int) -> Any:
+        """Sample `index` as epoch `epoch` sees it."""
+        view = getattr(self.dataset, "view", None)
+        return view(epoch, index) if view is not None else self.dataset[index]
+
+    def __getitems__(self, micro_batch: MicroBatch) -> tuple[Window, Batch]:
+        if not micro_batch:
+            if self._empty is None:
+                if self.stand_in:  # two samples: BatchNorm refuses one in training mode
+                    items = self.unmixed([self.dataset[0], self.dataset[min(1, len(self) - 1)]])
+                    self._empty = dataclasses.replace(self.format(items), stand_in=True)
+                else:
+                    self._empty = self.format(self.unmixed([self.dataset[0]])).head(0)
+            return micro_batch.window, self._empty
+        if self.gather is not None:
+            return micro_batch.window, Batch(*self.gather(micro_batch))
+        epoch = micro_batch.window.epoch
+        items = [self.item(epoch, i) for i in micro_batch]
+        if self.mixer is not None and micro_batch.mixes is not None:
+            items = [self.mixer.mixed(item, self.item(epoch, mix.partner) if mix.lam < 1.0 else None, mix)
+                     for item, mix in zip(items, micro_batch.mixes)]
+        return micro_batch.window, self.format(items)
+
+    def unmixed(self, items: list[Any]) -> list[Any]:
+        """Items as the loss takes them: with a mixer, soft (one-hot) targets."""
+        return items if self.mixer is None else [self.mixer.mixed(item, None, Mix(0)) for item in items]
+
+
+def _collated(item: tuple[Window, Batch]) -> tuple[Window, Batch]:
+    return item  # WindowData.__getitems__ collates already
+
+
+class InProcessLoader:
+    """The train loader without worker processes: each of the sampler's micro-batches read in this process when the
+    loop asks for it, as torch's DataLoader reads them with num_workers=0 — without its per-batch machinery (a
+    profiler range, the fetcher, the bookkeeping of its worker protocol), measured at ≈ 6 % of a small MLP's optimizer
+    step (docs/benchmarks.md)."""
+
+    def __init__(self, dataset: WindowData, sampler: WindowSampler, pin_memory: bool) -> None:
+        self.dataset, self.batch_sampler, self.pin_memory = dataset, sampler, pin_memory
+
+    def __iter__(self) -> Iterator[tuple[Window, Batch]]:
+        for micro_batch in self.batch_sampler:
+            window, batch = self.dataset.__getitems__(micro_batch)
+            yield window, batch.pin_memory() if self.pin_memory else batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
+                  generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True
+                  ) -> DataLoader | InProcessLoader:
+    """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order
+    (mixed as the sampler's mixer draws them) — read in this process, or by torch's DataLoader in `num_workers`
+    worker processes (seeded from `generator`)."""
+    windows = WindowData(dataset, batch_format, stand_in, sampler.mixer)
+    if num_workers == 0:
+        return InProcessLoader(windows, sampler, pin_memory)
+    return DataLoader(windows, batch_sampler=sampler, collate_fn=_collated, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=True, generator=generator)
+
+
+def windows_of(loader: Iterable[tuple[Window, Any]]) -> Iterator[tuple[Window, Iterator[Any]]]:
+    """The loader's micro-batches grouped by window: (window, its batches), each batch loaded when it is asked for."""
+    items = iter(loader)
+    pending = next(items, None)
+    def batches(window: Window) -> Iterator[Any]:
+        nonlocal pending
+        while pending is not None and pending[0] == window:
+            batch, pending = pending[1], None
+            yield batch
+            pending = next(items, None)
+
+    while pending is not None:
+        window = pending[0]
+        group = batches(window)
+        yield window, group
+        for _ in group:  # what the consumer left of the window
+            pass

@@ -1,0 +1,186 @@
+"""data=text: local .txt / .jsonl files, tokenized once, as mapping items {input_ids, attention_mask, labels}.
+
+- Language modelling: labels = input_ids (the model's convention; the loss shifts them, loss.shift_labels), the
+  sample ending with the tokenizer's end-of-sequence token; prompt/response records mask the prompt out of the
+  loss (its labels are loss.ignore_index). `packing` concatenates the samples and cuts blocks of max_length.
+- Sequence classification: records carrying `label_field` (an integer class, or a name: classes are the sorted
+  names of the training file); the label is the sample's target.
+Micro-batches are padded to their own longest sample (PadCollate), so the tokens a window counts are exact.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from accutrain.core.batches import PadCollate
+from accutrain.data.datasets import Datasets
+from accutrain.data.tokenizer import load_tokenizer, pad_id
+from accutrain.errors import UserError
+from accutrain.seeding import generator
+
+HELD_OUT_STREAM = 1_000_002  # the seed's stream that picks the held-out samples (epochs use streams 0, 1, …)
+
+
+class Tokenized(Dataset):
+    """Items held in memory: {input_ids, attention_mask, labels}."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i]
+
+
+def read_records(path: str, key: str) -> list[dict[str, Any]]:
+    """A .txt file's non-empty lines as {"text": line}, or a .jsonl file's objects (one per non-empty line)."""
+    file = Path(path).expanduser()
+    if file.suffix not in (".txt", ".jsonl"):
+        raise UserError(f"{key}={path}: expected a .txt file (a sample per line) or a .jsonl file (a JSON object "
+                        "per line)")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{key}={path}: cannot read it ({e})") from None
+    if file.suffix == ".txt":
+        records = [{"text": line} for line in lines if line.strip()]
+    else:
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{file}:{number} is not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{file}:{number}: expected a JSON object per line, got {type(record).__name__}")
+            records.append(record)
+    if not records:
+        raise UserError(f"{key}={path} holds no sample")
+    return records
+
+
+def class_index(records: list[dict], label_field: str, names: Optional[list[str]], where: str
+                ) -> tuple[list[int], list[str]]:
+    """Each record's class index: integers as they are, names by their place in `names` (from the training file)."""
+    labels = [r.get(label_field) for r in records]
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in labels):
+        names = names or [str(i) for i in range(max(labels) + 1)]
+        if max(labels) >= len(names):
+            raise UserError(f"{where}: label {max(labels)} is beyond the training file's {len(names)} classes")
+        return labels, names
+    if not all(isinstance(v, str) for v in labels):
+        raise UserError(f"{where}: every record needs data.label_field={label_field!r}, all non-negative integers "
+                        "or all class names")
+    names = names or sorted(set(labels))
+    unknown = sorted(set(labels) - set(names))
+    if unknown:
+        raise UserError(f"{where}: labels {unknown[:5]} are not among the training file's classes")
+    index = {name: i for i, name in enumerate(names)}
+    return [index[v] for v in labels], names
+
+
+def encode(records: list[dict], tok: Any, fields: dict[str, str], lm: bool, ignore_index: int, where: str
+           ) -> list[tuple[list[int], list[int]]]:
+    """(token ids, labels) per record: labels = ids (LM; prompt tokens ignored), empty for classification."""
+    text, prompt, response = fields["text"], fields["prompt"], fields["response"]
+    if all(text in r for r in records):
+        ids = tok([r[text] for r in records])["input_ids"]
+        prompt_lengths = [0] * len(records)
+    elif lm and all(prompt in r and response in r for r in records):
+        ids = tok([r[prompt] + r[response] for r in records])["input_ids"]
+        alone = tok([r[prompt] for r in records])["input_ids"]
+        prompt_lengths = [common_prefix(a, b) for a, b in zip(alone, ids)]
+    else:
+        wanted = f"{text!r}" + (f", or {prompt!r} and {response!r}" if lm else "")
+        raise UserError(f"{where}: every record needs the field {wanted} (data.text_field, data.prompt_field, "
+                        "data.response_field)")
+    eos = tok.eos_token_id
+    out = []
+    for sample, masked in zip(ids, prompt_lengths):
+        sample = list(sample)
+        if lm and eos is not None and (not sample or sample[-1] != eos):
+            sample.append(eos)  # the model learns where a sample ends
+        labels = [ignore_index] * masked + sample[masked:] if lm else []
+        out.append((sample, labels))
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share: the prompt's tokens inside prompt+response (a token merging the
+    prompt's end with the response's start counts as the response's)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def pack(samples: list[tuple[list[int], list[int]]], length: int) -> list[tuple[list[int], list[int]]]:
+    """The samples end to end, cut into blocks of `length` tokens (the last one shorter; none under 2 tokens)."""
+    ids = [t for sample, _ in samples for t in sample]
+    labels = [t for _, sample_labels in samples for t in sample_labels]
+    return [(ids[i : i + length], labels[i : i + length]) for i in range(0, len(ids), length) if len(ids) - i > 1]
+
+
+def as_items(samples: list[tuple[list[int], list[int]]], classes: Optional[list[int]], max_length: int
+             ) -> Tokenized:
+    items = []
+    for i, (ids, labels) in enumerate(samples):
+        ids = torch.tensor(ids[:max_length], dtype=torch.int64)
+        target = torch.tensor(classes[i]) if classes is not None else torch.tensor(labels[:max_length])
+        items.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=target))
+    return Tokenized(items)
+
+
+def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: str, max_length: int, packing: bool,
+              padding: str, text_field: str, prompt_field: str, response_field: str, label_field: Optional[str],
+              seed: int, ignore_index: int = -100) -> Datasets:
+    """data=text: a training file and a held-out file (or `val_fraction` of the training file, drawn by the seed),
+    tokenized; language modelling, or sequence classification when the records carry `label_field`."""
+    if max_length < 2:
+        raise UserError(f"data.max_length={max_length} is not valid: expected at least 2 tokens")
+    if padding not in ("longest", "max_length"):
+        raise UserError(f"data.padding={padding} is not valid: expected longest or max_length")
+    records = read_records(train, "data.train")
+    if val is not None:
+        held_out = read_records(val, "data.val")
+    else:
+        if not 0 < val_fraction < 1 or len(records) < 2:
+            raise UserError(f"data.val_fraction={val_fraction} with {len(records)} samples: expected a fraction in "
+                            "(0, 1) of at least 2 samples, or data.val=<file>")
+        order = torch.randperm(len(records), generator=generator(seed, HELD_OUT_STREAM)).tolist()
+        n_val = max(1, round(len(records) * val_fraction))
+        held_out = [records[i] for i in sorted(order[:n_val])]
+        records = [records[i] for i in sorted(order[n_val:])]
+    lm = not (label_field and label_field in records[0])
+    if packing and not lm:
+        raise UserError("data.packing=true packs language-modelling samples; these records carry labels "
+                        f"(data.label_field={label_field}): use data.packing=false, or data.label_field=null")
+    tok = load_tokenizer(tokenizer)
+    fields = dict(text=text_field, prompt=prompt_field, response=response_field)
+    splits, names = [], None
+    for part, where in ((records, train), (held_out, val or train)):
+        samples = encode(part, tok, fields, lm, ignore_index, where)
+        classes = None
+        if not lm:
+            classes, names = class_index(part, label_field, names, where)
+        elif packing:
+            samples = pack(samples, max_length)
+        splits.append(as_items(samples, classes, max_length))
+    pad = pad_id(tok)
+    collate = PadCollate(dict(input_ids=pad, attention_mask=0, labels=ignore_index),
+                         length=max_length if padding == "max_length" else None)
+    num_classes = len(tok) if lm else len(names)
+    task = "language modelling" + (", packed" if packing else "") if lm else f"{num_classes} classes"
+    return Datasets(splits[0], splits[1], num_classes, (max_length,),
+                    f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})",
+                    extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                               **({} if lm else dict(class_names=names))),
+                    collate=collate, tokenizer=tok, classes="tokens in the vocabulary" if lm else "classes")

@@ -1,0 +1,217 @@
+"""`model=hf_causal_lm` and `model=hf_seq_cls`: Hugging Face transformers models (the `hf` extra), pretrained or
+randomly initialised from a config, called with the batch's mapping (input_ids, attention_mask) and returning
+their logits in cross_entropy's layout; accutrain computes the summed loss itself (the model's own `loss` is a
+mean per micro-batch). transformers is imported here only, when one of these models is asked for.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from accutrain.errors import UserError
+from accutrain.models.pitfalls import STOCHASTIC
+
+log = logging.getLogger("accutrain")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def require_transformers(what: str) -> Any:
+    """The transformers package, or one line saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(f"{what} needs the transformers package: pip install 'accutrain[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()  # no loading/saving bars in accutrain's log
+    return transformers
+
+
+class HFAdapter(nn.Module):
+    """A Hugging Face model (`.model`) behind accutrain's calling convention. Its state_dict has the model's own
+    keys (`transformer.wte.weight`, no `model.` prefix) and loads from them, so a checkpoint's weights load into
+    the bare Hugging Face model too."""
+
+    loss_defaults: dict[str, Any] = {}  # what loss.normalize=auto and loss.shift_labels=null become
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.use_cache = "use_cache" in inspect.signature(model.forward).parameters
+        self.register_state_dict_post_hook(_plain_keys)
+        self.register_load_state_dict_pre_hook(_inner_keys)
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        if self.use_cache:
+            inputs["use_cache"] = False  # a training forward needs no key/value cache
+        return self.layout(self.model(**inputs).logits)
+
+    def layout(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def save_pretrained(self, directory: Path) -> None:
+        self.model.save_pretrained(directory)
+
+
+class HFCausalLM(HFAdapter):
+    """Logits (batch, vocabulary, length); the labels are the inputs, shifted by the loss (loss.shift_labels)."""
+
+    loss_defaults = dict(normalize="tokens", shift_labels=True)
+
+    def layout(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.transpose(1, 2)
+
+
+class HFSeqCls(HFAdapter):
+    """Logits (batch, classes)."""
+
+
+def _plain_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    inner = prefix + "model."
+    items = list(state_dict.items())
+    state_dict.clear()  # rebuilt in the same order
+    for key, value in items:
+        state_dict[prefix + key[len(inner):] if key.startswith(inner) else key] = value
+
+
+def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def causal_lm(num_classes: int, **kwargs: Any) -> HFCausalLM:
+    """model=hf_causal_lm: AutoModelForCausalLM; a random initialisation takes the data's vocabulary."""
+    return HFCausalLM(load("AutoModelForCausalLM", num_labels=None, vocab_size=kwargs.pop("vocab_size", num_classes),
+                           **kwargs))
+
+
+def seq_cls(num_classes: int, class_names: Optional[list[str]] = None, **kwargs: Any) -> HFSeqCls:
+    """model=hf_seq_cls: AutoModelForSequenceClassification with a head of the data's `num_classes` (named by
+    `class_names` in the exported config's id2label)."""
+    model = load("AutoModelForSequenceClassification", num_labels=num_classes, **kwargs)
+    if class_names:
+        model.config.id2label = dict(enumerate(class_names))
+        model.config.label2id = {name: i for i, name in enumerate(class_names)}
+    return HFSeqCls(model)
+
+
+def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool = True,
+         config: Optional[dict] = None, dropout: Optional[float] = None, dtype: str = "float32",
+         attn_implementation: Optional[str] = None, trust_remote_code: bool = False, revision: Optional[str] = None,
+         num_labels: Optional[int] = None, vocab_size: Optional[int] = None, pad_token_id: Optional[int] = None,
+         eos_token_id: Optional[int] = None) -> nn.Module:
+    """The Hugging Face model as configured: `name_or_path`'s weights (pretrained) or its architecture, or
+    `config` (with its model_type) randomly initialised; `config` overrides, dropout set, the data's pad token."""
+    what = "model=hf_causal_lm" if auto_class == "AutoModelForCausalLM" else "model=hf_seq_cls"
+    transformers = require_transformers(what)
+    if dtype not in DTYPES:
+        raise UserError(f"model.dtype={dtype} is not valid: expected one of {', '.join(DTYPES)}")
+    if dropout is not None and not 0 <= dropout < 1:
+        raise UserError(f"model.dropout={dropout} is not valid: expected a probability in [0, 1) or null")
+    overrides = dict(config or {})
+    hub = dict(trust_remote_code=trust_remote_code, revision=revision)
+    if name_or_path:
+        hf_config = from_hub(transformers.AutoConfig, name_or_path, **hub)
+    elif "model_type" not in overrides:
+        raise UserError(f"{what} needs model.name_or_path=<a Hub name or a local directory>, or a config to "
+                        "initialise at random: +model.config.model_type=gpt2 (and its sizes, e.g. "
+                        "+model.config.n_layer=2)")
+    else:
+        try:
+            hf_config = transformers.AutoConfig.for_model(overrides.pop("model_type"))
+        except ValueError as e:
+            raise UserError(f"model.config.model_type: {first_line(e)}") from None
+    random_init = not (name_or_path and pretrained)
+    if random_init and vocab_size and "vocab_size" not in overrides:
+        overrides["vocab_size"] = vocab_size  # the data's tokenizer
+    for key, value in overrides.items():
+        if not hasattr(hf_config, key):  # a config takes any attribute: a misspelt key would do nothing
+            close = difflib.get_close_matches(key, list(hf_config.to_dict()), n=1)
+            raise UserError(f"model.config.{key}: {type(hf_config).__name__} has no such key"
+                            + (f" (did you mean {close[0]}?)" if close else ""))
+        setattr(hf_config, key, value)
+    if num_labels is not None:
+        hf_config.num_labels = num_labels
+    for key, value in (("pad_token_id", pad_token_id), ("eos_token_id", eos_token_id), ("bos_token_id", eos_token_id)):
+        if value is not None and (key == "pad_token_id" or random_init) and key not in overrides:
+            setattr(hf_config, key, value)  # GPT-2's classifier pools at the last token that is not padding
+    if dropout is not None:
+        set_dropout_config(hf_config, dropout)
+    auto = getattr(transformers, auto_class)
+    options = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    try:
+        if random_init:
+            model = auto.from_config(hf_config, **{**options, "dtype": DTYPES[dtype.replace("auto", "float32")]})
+        else:
+            extra = dict(ignore_mismatched_sizes=True) if num_labels is not None else {}  # a new head
+            model = from_hub(auto, name_or_path, config=hf_config, revision=revision, **options, **extra)
+    except (ValueError, ImportError) as e:  # a config this auto class has no model for, an attention backend…
+        raise UserError(f"{what}: {first_line(e)}") from None
+    if dropout is not None:
+        set_dropout_modules(model, dropout)
+    embeddings = model.get_input_embeddings()
+    if vocab_size and embeddings is not None and embeddings.num_embeddings < vocab_size:
+        log.info(f"the tokenizer has {vocab_size} tokens, the model's embedding {embeddings.num_embeddings}: "
+                 "resized (new rows are initialised at random)")
+        model.resize_token_embeddings(vocab_size)
+    return model
+
+
+def from_hub(loader: Any, name_or_path: str, key: str = "model.name_or_path", **kwargs: Any) -> Any:
+    """`loader.from_pretrained(name_or_path)`, its failures in one line naming `key` (no download without network)."""
+    if name_or_path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(name_or_path)):
+        raise UserError(f"{key}={name_or_path}: no such directory")
+    try:
+        return loader.from_pretrained(os.path.expanduser(name_or_path), **kwargs)
+    except (OSError, ValueError) as e:  # not cached and no network, no such repository, no files there
+        raise UserError(f"{key}={name_or_path} could not be loaded ({first_line(e)}): give a local directory (a "
+                        "save_pretrained output), or download it once with network access (HF_HUB_OFFLINE=1 skips "
+                        "the network)") from None
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def set_dropout_config(config: Any, p: float) -> list[str]:
+    """Every drop probability of a Hugging Face config (and of its sub-configs) set to p, None ones included (a
+    head whose dropout is None falls back to another one, or to 0.1). Returns the keys set."""
+    changed = []
+    for key in config.to_dict():
+        value = getattr(config, key, None)
+        if hasattr(value, "to_dict"):  # a sub-config (composite models)
+            changed += [f"{key}.{k}" for k in set_dropout_config(value, p)]
+        elif STOCHASTIC.search(key) and (value is None or type(value) in (int, float)):
+            setattr(config, key, p)
+            changed.append(key)
+    return changed
+
+
+def set_dropout_modules(model: nn.Module, p: float) -> int:
+    """Every dropout layer's p, and every float drop probability a module keeps (Llama's attention_dropout,
+    handed to SDPA), set to p: what a config key cannot reach. Returns how many were set."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = p
+            count += 1
+        for attr, value in list(vars(module).items()):
+            if STOCHASTIC.search(attr) and isinstance(value, float):
+                setattr(module, attr, p)
+                count += 1
+    return count
+
+
+def export(model: nn.Module, tokenizer: Any, directory: Path) -> Path:
+    """save_pretrained of the model (and the data's tokenizer) into `directory`: from_pretrained loads it back."""
+    model.save_pretrained(directory)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,1 @@
+"""How several ranks share the model: DDP, FSDP2, and the state a checkpoint holds under each."""

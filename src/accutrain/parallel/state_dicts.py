@@ -1,0 +1,99 @@
+"""The model, optimizer and EMA tensors as checkpoints hold them, whatever the strategy.
+
+The optimizer state is keyed by parameter NAME (checkpoint format 2), as PyTorch's distributed state dicts key it:
+a checkpoint then moves between one device, DDP and FSDP. torch.optim numbers parameters instead (format 1 holds
+that); both directions are converted here. A numbered state given to FSDP's set_optimizer_state_dict would load
+nothing, silently, so FSDP only ever sees names.
+
+A sharded checkpoint is a directory: PyTorch Distributed Checkpoint (DCP) files, one per rank plus `.metadata`,
+beside `state.pt`, rank 0's file of everything else (progress, scheduler, RNG states, plan, config). It is written
+into a temporary directory and renamed into place once whole, so a killed run never leaves half of one.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accutrain.dist import World
+from accutrain.errors import UserError
+from accutrain.store.checkpoint import STATE_FILE, save_atomic
+from accutrain.store.files import fsync_dir
+
+
+def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the optimizer's parameters, in the order torch.optim numbers them (param_groups in turn)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def numbered(state: dict[str, Any]) -> bool:
+    return all(isinstance(p, int) for group in state["param_groups"] for p in group["params"])
+
+
+def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """torch.optim's state_dict, whose parameters are numbered, keyed by parameter name instead."""
+    if not numbered(state):
+        return state
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state numbered as this optimizer numbers its parameters, for load_state_dict."""
+    if numbered(state):
+        return state
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted({p for group in state["param_groups"] for p in group["params"]} - index.keys())
+    if unknown:
+        raise UserError(f"the checkpoint's optimizer state names parameters this model does not have "
+                        f"({', '.join(unknown[:3])}{', …' if len(unknown) > 3 else ''}): it was written for "
+                        "another model")
+    return {"state": {index[name]: s for name, s in state["state"].items()},
+            "param_groups": [{**group, "params": [index[p] for p in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def write_sharded(directory: Path, shards: dict[str, Any], state: dict[str, Any], world: World) -> Path:
+    """Every rank writes its `shards` (DCP) and rank 0 `state` into checkpoints/<name>/, made as .<name>.tmp/ and
+    renamed into place once whole (an older one of the same name is replaced). Collective: every rank calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    if world.main:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed run left
+        tmp.mkdir(parents=True)
+    if world.size > 1:
+        dist.barrier()
+    dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; rank 0 the metadata once all are written
+    if world.main:
+        save_atomic(state, tmp / STATE_FILE)
+        fsync_dir(tmp)
+        old = directory.with_name(f".{directory.name}.old")
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+        tmp.rename(directory)
+        fsync_dir(directory.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def read_sharded(directory: Path, templates: dict[str, Any]) -> dict[str, Any]:
+    """Fill `templates` (state dicts with this run's tensors: its shards under FSDP, whole tensors otherwise) from a
+    sharded checkpoint, resharding when it was written by another number of ranks. Collective under a process
+    group: every rank calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    try:  # without a process group (one plain process) every tensor is read whole
+        dcp.load(templates, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    except Exception as e:  # DCP wraps every rank's failure in a CheckpointException
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise UserError(f"{directory} does not fit this run (another model or optimizer?): {first[:200]}") from None
+    return templates

@@ -1,0 +1,1 @@
+"""Reading run directories back: summaries, plots and the multirun callback."""

@@ -1,0 +1,1 @@
+"""Starting a run: the ranks' processes and one rank's session."""

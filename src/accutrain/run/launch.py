@@ -1,0 +1,214 @@
+"""Starting the ranks: one process, `devices` worker processes on this machine (start_method), or one rank of the
+world torchrun (or any launcher setting RANK/WORLD_SIZE/LOCAL_RANK) started. Each rank then runs session.train_rank."""
+from __future__ import annotations
+
+import logging
+import logging.config
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from accutrain.config.validate import validate
+from accutrain.core.precision import float32_math
+from accutrain.dist import World, count_devices, leave_process_group, resolve_device
+from accutrain.errors import Preempted, UserError
+from accutrain.run.session import train_rank
+from accutrain.seeding import deterministic_algorithms
+from accutrain.signals import SIGNALS, StopRequest, signal_numbers
+from accutrain.train.loop import Outcome
+
+log = logging.getLogger("accutrain")
+
+
+@dataclass
+class Ranks:
+    """Where the run will go, as preflight decided it."""
+
+    device: torch.device
+    world: Optional[World]  # the world torchrun started, else None
+    n: int  # ranks in all
+
+
+def preflight(cfg: DictConfig) -> Ranks:
+    """Every check of the config and the machine that can be made before anything is written: the values
+    (validate), then the device and the number of ranks (place). Raises UserError."""
+    validate(cfg)
+    return place(cfg)
+
+
+def place(cfg: DictConfig) -> Ranks:
+    """The device and the number of ranks the config asks for, checked against the machine. Raises UserError."""
+    device = resolve_device(cfg.trainer.device)
+    world = torchrun_world()
+    if world is not None and cfg.devices not in ("auto", world.size):
+        raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
+                        f"or set devices={world.size}")
+    n = world.size if world is not None else count_devices(cfg.devices, device.type)
+    if n > 1 and cfg.model.get("sync_batchnorm") and device.type != "cuda":
+        raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the "
+                        "CPU (use devices=1, or model.sync_batchnorm=false)")
+    return Ranks(device, world, n)
+
+
+def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None, ranks: Optional[Ranks] = None
+          ) -> Optional[Outcome]:
+    """Train as configured, then run the ranks; raise Preempted if a signal stopped the run early (after its
+    checkpoint). `ranks`: what the caller's preflight found (the command line checks once), else checked here.
+    `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging). The caller owns run_dir: the
+    command line refuses one an earlier run used (accutrain.store.rundir)."""
+    ranks = ranks or preflight(cfg)
+    if cfg.trainer.tf32 is not None and ranks.device.type == "cpu":
+        log.info(f"trainer.tf32={str(cfg.trainer.tf32).lower()} changes nothing on the CPU (TF32 is a CUDA format)")
+    # before anything runs on CUDA; a spawned worker sets both again (the settings are per process)
+    with deterministic_algorithms(cfg.trainer.deterministic), float32_math(cfg.trainer.tf32):
+        out = _train(cfg, ranks, run_dir, log_config)
+    if out is not None and out.stopped_by:
+        raise Preempted(signal.Signals[out.stopped_by], f"stopped by {out.stopped_by} after optimizer step "
+                                                        f"{out.progress.step}; checkpoint {out.checkpoint}")
+    return out
+
+
+def _train(cfg: DictConfig, ranks: Ranks, run_dir: Path, log_config: Optional[dict]) -> Optional[Outcome]:
+    device, world, n = ranks.device, ranks.world, ranks.n
+    if world is not None:
+        if not world.main:
+            quiet_logging(world.rank)
+        try:
+            return train_rank(world, cfg, run_dir, device)
+        finally:
+            leave_process_group()
+    if n == 1:
+        return train_rank(World(), cfg, run_dir, device)
+    log.info(f"launching {n} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'})")
+    return spawn(n, train_rank, (cfg, run_dir, device), log_config, cfg.trainer.deterministic,
+                 signal_numbers(cfg.trainer.preempt_signals), cfg.trainer.tf32)
+
+
+def torchrun_world() -> Optional[World]:
+    """The world torchrun (or any launcher setting RANK/WORLD_SIZE/LOCAL_RANK) describes, else None."""
+    env = os.environ
+    if not {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= env.keys():
+        return None
+    return World(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
+
+
+# --- starting workers on one machine -------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def quiet_logging(rank: int) -> None:
+    """Ranks other than 0 log nothing but errors, named by rank."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.ERROR)
+
+
+@dataclass
+class _Job:
+    nprocs: int
+    port: int
+    errors: Any  # a queue of (rank, message): user errors
+    results: Any  # a queue holding rank 0's return value
+    log_config: Optional[dict]
+    threads: int
+    target: Callable[..., Any]
+    args: tuple = field(default_factory=tuple)
+    deterministic: bool = False  # trainer.deterministic: the settings are per process
+    tf32: Optional[bool] = None  # trainer.tf32: likewise
+    environ: dict[str, str] = field(default_factory=dict)  # the parent's environment when it started the workers
+
+
+def _worker(local_rank: int, job: _Job) -> None:
+    if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
+        os.environ.clear()
+        os.environ.update(job.environ)
+    world = World(local_rank, job.nprocs, local_rank)
+    if world.main and job.log_config:
+        logging.config.dictConfig(job.log_config)
+    elif not world.main:
+        quiet_logging(world.rank)
+    torch.set_num_threads(job.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(world.rank),
+                      WORLD_SIZE=str(world.size), LOCAL_RANK=str(world.local_rank))
+    try:
+        with deterministic_algorithms(job.deterministic), float32_math(job.tf32):
+            result = job.target(world, *job.args)
+        if world.main:
+            job.results.put(result)
+    except UserError as e:
+        job.errors.put((world.rank, str(e)))
+        sys.exit(2)
+    finally:
+        leave_process_group()
+
+
+def start_method() -> str:
+    """How workers start: forked from a fork server that imported accutrain (and PyTorch) once — a worker then starts
+    without importing them again (seconds each) — where the platform has one, else spawned. Neither forks a process
+    that has run anything: the server has only imported, and CUDA is never initialised before a worker starts."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # torch._dynamo too: every rank imports it anyway (≈ 2 s), at its optimizer's first call of a function PyTorch
+    # keeps out of compiled graphs (torch._disable_dynamo imports it then); importing starts no thread, touches no GPU
+    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, "torch._dynamo"])
+    return "forkserver"
+
+
+def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Optional[dict],
+          deterministic: bool = False, signals: tuple[int, ...] = SIGNALS, tf32: Optional[bool] = None) -> Any:
+    """Run target(world, *args) in `nprocs` fresh processes (start_method) and return rank 0's result.
+
+    A failure on any rank ends them all and is raised here: a UserError as itself (one line), anything else
+    with the failing rank's traceback. One of `signals` (the preemption signals) sent to this process is passed on
+    to the workers, which stop together after their current optimizer step.
+    """
+    method = start_method()
+    ctx = multiprocessing.get_context(method)
+    errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32,
+               dict(os.environ))
+    context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
+                                                    start_method=method)
+
+    def pass_on(signum: int) -> None:
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    try:
+        with StopRequest(on_request=pass_on, announce=False, signals=signals):
+            while not context.join():
+                pass
+    except torch.multiprocessing.ProcessExitedException as e:
+        if not errors.empty():
+            raise UserError(errors.get()[1]) from None
+        raise RuntimeError(f"rank {e.error_index} of {nprocs} died (exit code {e.exit_code}); every rank stopped"
+                           ) from None
+    except torch.multiprocessing.ProcessRaisedException as e:
+        if not errors.empty():  # a user error on one rank, seen here after another rank's broken collective
+            raise UserError(errors.get()[1]) from None
+        cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
+        raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
+                           f"\n{e}") from None
+    except KeyboardInterrupt:
+        for process in context.processes:
+            process.kill()
+        raise
+    return results.get() if not results.empty() else None

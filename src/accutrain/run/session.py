@@ -1,0 +1,204 @@
+"""One rank's run: join the process group, agree on the run directory, build, check, resume, train with rotating
+checkpoints, and say how it ended. Rank 0 alone writes config.yaml, metrics.jsonl, checkpoints and the summary."""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from accutrain import dist
+from accutrain.core.progress import Progress
+from accutrain.dist import World
+from accutrain.errors import NonFinite, UserError
+from accutrain.parallel.state_dicts import write_sharded
+from accutrain.run.malloc import tune_malloc
+from accutrain.signals import StopRequest, signal_numbers
+from accutrain.store import checkpoint
+from accutrain.store.status import add_to_status
+from accutrain.trackers import Trackers
+from accutrain.train import check
+from accutrain.train.build import build
+from accutrain.train.components import Components
+from accutrain.train.loop import Outcome, fit
+from accutrain.train.metrics import MetricsLog, summary_line
+from accutrain.train.resume import checkpoint_state, find_resume, keep_metrics_until, restore
+
+log = logging.getLogger("accutrain")
+
+
+def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.device) -> Outcome:
+    """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
+    checkpoints/ go into run_dir."""
+    device = dist.worker_device(device, world)
+    if device.type == "cpu" and cfg.trainer.tune_malloc:
+        tuned = tune_malloc()  # in every rank's process, before the data and the model are made
+        if world.main:
+            log.info(tuned)
+    dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
+    run_dir = agree_on_run_dir(run_dir, world)
+    trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
+    c = build(cfg, world, device, cache_dir=run_dir.parent)
+    if cfg.trainer.check and world.main:
+        result = check.run_check(c)
+        for line in result.lines():
+            (log.info if result.faithful else log.warning)(f"check: {line}")
+    if cfg.trainer.check:
+        dist.wait_for_main(world)  # the other ranks wait for rank 0's check, however long it takes
+    resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
+    progress = restore(c, resume_from) if resume_from else Progress()
+    save = Checkpoints(c, run_dir / "checkpoints", trackers)
+    if world.main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if resume_from:
+            keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
+        else:  # from scratch: what a run before it here logged (resume=auto found no checkpoint) is not this run's
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        add_to_status(run_dir, plan=c.plan.record())
+        warn_if_disk_is_short(c, save.rotation)
+    if progress.step >= c.plan.total_steps:
+        log.info(f"the checkpoint is at optimizer step {progress.step}, the end of this run's plan "
+                 f"({c.plan.total_steps} steps): nothing left to train")
+        return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
+    if world.main:
+        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
+    metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
+    try:
+        with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
+            out = fit(c, metrics, progress, save, stop)
+    except NonFinite as e:
+        trackers.finish("failed", progress)
+        raise NonFinite(f"{e}; {save.last_good()}") from None
+    except BaseException as e:
+        trackers.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "failed", progress)
+        raise
+    finally:
+        metrics.close()
+    if world.main and cfg.trainer.export == "hf" and not out.stopped_by:
+        from accutrain.models.hf import export
+
+        log.info(f"exported with save_pretrained to {export(c.model, c.tokenizer, run_dir / 'hf')}")
+    if world.main:
+        trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
+                        out.peak_mb)
+        say_how_it_ended(c, out, run_dir)
+    c.strategy.close()
+    if world.main:
+        save.raise_if_the_last_failed()
+    return out
+
+
+def agree_on_run_dir(run_dir: Path, world: World) -> Path:
+    """Rank 0's run directory. Under torchrun each rank's Hydra made its own, possibly timed a second later: a stray
+    one is removed."""
+    main_dir = Path(dist.broadcast_from_main(str(run_dir), world))
+    if main_dir != run_dir:
+        dist.remove_stray_run_dir(run_dir)
+    return main_dir
+
+
+class Checkpoints:
+    """What the loop calls to checkpoint: every rank's state into rank 0's rotating checkpoints/, every rank waiting
+    for it to be on disk. A write that fails (disk full, I/O error) is one error line: the previous checkpoint stays
+    whole, no temporary file is left, training goes on and the next checkpoint tries again; if the run's last one
+    (at the end, or on a signal) fails, raise_if_the_last_failed ends the run with one line."""
+
+    def __init__(self, c: Components, directory: Path, trackers: Trackers) -> None:
+        self.c, self.trackers = c, trackers
+        self.rotation = checkpoint.Rotation(directory, c.trainer.keep_checkpoints)
+        self.failure: Optional[str] = None  # why the latest checkpoint could not be written
+
+    def last_good(self) -> str:
+        steps = self.rotation.steps()
+        if steps:
+            return f"the last checkpoint, {steps[0]}, holds finite weights (resume=auto continues from it)"
+        return "no checkpoint was written before it (trainer.checkpoint_every=N writes one every N optimizer steps)"
+
+    def __call__(self, p: Progress, best: bool = False) -> Optional[Path]:
+        """The next step-*.pt of the rotation, or (best) best.pt, the state at the best evaluation so far; with
+        strategy.checkpoint=sharded a directory (step-*/, best/) each rank writes its shards into. Refused when the
+        weights are not finite."""
+        c = self.c
+        self.trackers.flush()  # a resume from this checkpoint finds in the trackers every step up to it
+        state, shards = checkpoint_state(c, p)
+        if not finite_weights(c, state, shards):
+            newest = self.rotation.steps()
+            raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
+                            f"(the last good one is {newest[0] if newest else 'none'})")
+        path = None
+        if shards is not None:  # every rank writes; a failure here is PyTorch's, raised on every rank
+            path = write_sharded(self.rotation.directory / ("best" if best else f"step-{p.step:08d}"), shards,
+                                 state, c.world)
+            if c.world.main and not best:
+                self.rotation.commit(path)
+        elif c.world.main:
+            try:
+                path = self.rotation.save_best(state) if best else self.rotation.save(state, p.step)
+                if not best:
+                    self.failure = None
+            except OSError as e:
+                newest = self.rotation.steps()
+                failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} "
+                           f"into {self.rotation.directory} ({e.strerror or e}); the newest on disk is "
+                           f"{newest[0].name if newest else 'none'}")
+                log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
+                          "tries again")
+                if not best:  # a best.pt that could not be written leaves the run's last steps saved
+                    self.failure = failure
+        dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
+        return path
+
+    def raise_if_the_last_failed(self) -> None:
+        if self.failure:
+            raise UserError(f"{self.failure}: the run's last steps are not saved (make room, then resume=auto "
+                            "continues from that checkpoint)")
+
+
+def warn_if_disk_is_short(c: Components, rotation: checkpoint.Rotation) -> None:
+    """A warning when the disk holding checkpoints/ has less room than the checkpoints kept at once will take (the
+    weights and up to twice as much optimizer state each, keep_checkpoints + the one being written)."""
+    weights = sum(t.numel() * t.element_size() for t in c.model.state_dict().values())
+    needed = 3 * weights * (rotation.keep + 1)
+    try:
+        free = shutil.disk_usage(rotation.directory.parent).free
+    except OSError:
+        return
+    if free < needed:
+        log.warning(f"the disk holding {rotation.directory} has {free / 2**20:.3g} MiB free; the "
+                    f"{rotation.keep + 1} checkpoints on it at once may take up to {needed / 2**20:.3g} MiB "
+                    "(weights and optimizer state): a checkpoint that cannot be written is reported and retried")
+
+
+def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
+    """Whether the weights about to be saved are finite: rank 0's whole ones (True elsewhere), or every rank's shards
+    (then every rank gets the answer)."""
+    if shards is None:
+        return not c.world.main or all(torch.isfinite(t).all() for t in state["model"].values()
+                                       if t.is_floating_point())
+    local = all(torch.isfinite(t.to_local() if dist.is_sharded(t) else t).all()
+                for t in shards["model"].values() if t.is_floating_point())
+    return bool(dist.all_reduce_min(torch.tensor(float(local)), c.world).item())
+
+
+def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
+    p, monitor = out.progress, c.monitor
+    best = monitor.describe(p.best, p.best_step) if p.best is not None else None
+    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens)
+             + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+    if p.best is not None:
+        add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
+                                         checkpoint=str(run_dir / "checkpoints" / (
+                                             "best" if c.strategy.sharded_checkpoints else "best.pt"))))
+    if out.early_stop:
+        log.info(f"early stopping after optimizer step {p.step} of {c.plan.total_steps}: {monitor.metric} has not "
+                 f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "
+                 f"checkpoint {out.checkpoint}")
+    if out.stopped_by:
+        log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
+                    f"checkpoint {out.checkpoint}")
+    else:
+        log.info(f"outputs in {run_dir}")

@@ -1,0 +1,1 @@
+"""What a run leaves on disk: atomic files, checkpoints, status.json and the run directory."""

@@ -1,0 +1,168 @@
+"""Checkpoints: written atomically at optimizer-step boundaries, kept in rotation, loaded with weights_only=True.
+
+A checkpoint holds the model, optimizer, scheduler (and AMP scaler), where the run is (optimizer steps, epoch,
+next window of that epoch) and every RNG state (Python, NumPy, torch, CUDA; one set per rank). The sampler's
+state is (seed, epoch, window): the order of an epoch is a pure function of the seed and the epoch number.
+It is one file (`step-NNNNNNNN.pt`), or with strategy.checkpoint=sharded a directory (`step-NNNNNNNN/`: each
+rank's shards of the model, optimizer and EMA beside `state.pt`, the rest; accutrain.parallel.state_dicts writes it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from accutrain.errors import UserError
+from accutrain.store.files import fsync_dir, write_atomic
+
+log = logging.getLogger("accutrain")
+
+FORMAT = 2  # 2: the optimizer state keyed by parameter name; 1 (still read): numbered, as torch.optim numbers it
+READABLE = (1, 2)
+STEP_FILE = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded checkpoint's directory
+STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: everything but the shards, written by rank 0
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def save_atomic(state: dict[str, Any], path: Path) -> None:
+    """torch.save `state` to `path` atomically and durably: a crash leaves the old file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, lambda f: torch.save(state, f), durable=True)
+
+
+def load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line. A sharded
+    checkpoint's directory gives its state.pt, marked `sharded` (the shards are read by the strategy). mmap: the
+    tensors are mapped from the file, read as they are used (every rank of a run can load it at little cost)."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
+            raise UserError(f"{path} is not a checkpoint: a sharded checkpoint is a directory holding .metadata and "
+                            f"{STATE_FILE}")
+        return load(path / STATE_FILE)
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != ZIP_MAGIC:  # torch.save writes zip archives; a cut one still starts like one
+        raise UserError(f"{path} is not a checkpoint: " + ("it is empty" if not head else
+                        "torch.save writes zip archives and this file is not one (expected a .pt file from a run's "
+                        "checkpoints/)"))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0]
+        if any(mark in str(e) for mark in ("Unsupported global", "Unsupported class", "GLOBAL")):
+            raise UserError(f"refusing to load {path}: it holds pickled code or objects, not only tensors and "
+                            f"plain values ({first[:160]})") from None
+        raise UserError(f"{path} is corrupt: {first[:160]}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{path} is truncated or corrupt: {first[:160]}") from None
+    if (not isinstance(state, dict) or state.get("format") not in READABLE
+            or "model" not in state and not state.get("sharded")):
+        raise UserError(f"{path} is not an accutrain checkpoint")
+    return state
+
+
+class Rotation:
+    """The run directory's checkpoints/: step-NNNNNNNN.pt files (the newest `keep`) and last.pt, the newest; or
+    step-NNNNNNNN/ directories (sharded) and last, a link to the newest."""
+
+    def __init__(self, directory: Path, keep: int) -> None:
+        self.directory, self.keep = directory, keep
+
+    def steps(self) -> list[Path]:
+        """Step files, newest first."""
+        if not self.directory.is_dir():
+            return []
+        files = [p for p in self.directory.iterdir() if STEP_FILE.match(p.name)]
+        return sorted(files, key=lambda p: int(STEP_FILE.match(p.name).group(1)), reverse=True)
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        path = self.directory / f"step-{step:08d}.pt"
+        save_atomic(state, path)
+        last, tmp = self.directory / "last.pt", self.directory / ".last.pt.tmp"
+        try:
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(path, tmp)  # last.pt is the same file, swapped in atomically
+            except OSError:
+                save_atomic(state, tmp)
+            os.replace(tmp, last)
+            fsync_dir(self.directory)
+        except BaseException:  # a full disk, an I/O error: no temporary file left behind; the step file is whole
+            tmp.unlink(missing_ok=True)
+            raise
+        self.prune()
+        return path
+
+    def commit(self, path: Path) -> None:
+        """A sharded checkpoint's directory is whole: `last` links to it, the oldest beyond `keep` go."""
+        tmp = self.directory / ".last.tmp"
+        tmp.unlink(missing_ok=True)
+        os.symlink(path.name, tmp)
+        os.replace(tmp, self.directory / "last")
+        fsync_dir(self.directory)
+        self.prune()
+
+    def prune(self) -> None:
+        for old in self.steps()[self.keep :]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+
+    def save_best(self, state: dict[str, Any]) -> Path:
+        """best.pt: the state at the best evaluation so far; never rotated away, never what resume=auto picks."""
+        path = self.directory / "best.pt"
+        save_atomic(state, path)
+        return path
+
+    def latest_good(self) -> Optional[tuple[Path, dict[str, Any]]]:
+        """The newest checkpoint that loads; an unreadable one is reported and the previous one tried."""
+        candidates = self.steps() or ([self.directory / "last.pt"] if (self.directory / "last.pt").is_file() else [])
+        for i, path in enumerate(candidates):
+            try:
+                return path, load(path)
+            except UserError as e:
+                fallback = candidates[i + 1].name if i + 1 < len(candidates) else "none left: starting from scratch"
+                log.warning(f"resume=auto: {e}; falling back to the previous checkpoint ({fallback})")
+        return None
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from, as plain values (bytes, ints, lists): picklable across ranks and
+    loadable with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return dict(
+        python=random.getstate(),
+        numpy=[kind, keys.tolist(), pos, has_gauss, gauss],
+        torch=torch.get_rng_state().numpy().tobytes(),
+        cuda=[s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    )
+
+
+def _byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+
+
+def _as_tuples(value: Any) -> Any:
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

@@ -1,0 +1,127 @@
+"""The run directory before a run starts: whether an earlier run left its work there (then it is continued with
+resume=auto, replaced with trainer.overwrite=true, or refused), and whether this run can write into it."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from accutrain.errors import UserError
+from accutrain.store.files import read_jsonl
+from accutrain.store.status import STATUS_FILE, live_here, read_status
+
+log = logging.getLogger("accutrain")
+
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+# What a run writes besides checkpoints/ and the log; trainer.overwrite=true deletes them (train.log is emptied).
+RUN_FILES = (METRICS, STATUS_FILE, "config.yaml", "loss.png", "summary.md", "summary.csv")
+
+
+def checkpoint_files(run_dir: Path) -> list[Path]:
+    """The checkpoints (step-NNNNNNNN.pt, last.pt) and checkpoint temporary files in run_dir/checkpoints/."""
+    from accutrain.store.checkpoint import STEP_FILE  # (checkpoint imports torch: not needed for --help)
+
+    folder = run_dir / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir()
+            if STEP_FILE.match(p.name) or p.name == "last.pt" or (p.name.startswith(".") and p.name.endswith(".tmp"))]
+
+
+def earlier_run(run_dir: Path) -> Optional[str]:
+    """What an earlier run left in run_dir (its status, optimizer steps logged, checkpoints), or None when there is
+    nothing to lose: no checkpoint, no step in metrics.jsonl, and no status.json but one of a run that failed or was
+    interrupted before its first optimizer step (its record is replaced)."""
+    record = read_status(run_dir)
+    steps = sum(1 for _, r in read_jsonl(run_dir / METRICS) if "loss" in r and isinstance(r.get("step"), int))
+    checkpoints = sorted(p.name for p in checkpoint_files(run_dir) if p.name.startswith("step-"))
+    started = record is None or record["state"] not in ("failed", "interrupted")
+    if not steps and not checkpoint_files(run_dir) and not (started and (run_dir / STATUS_FILE).exists()):
+        return None
+    parts = [f"status {record['state']}" if record else "no status.json"]
+    parts.append(f"{steps} optimizer step{'s' if steps > 1 else ''} in {METRICS}" if steps else f"no step in {METRICS}")
+    parts.append(f"checkpoints up to {checkpoints[-1]}" if checkpoints else "no step checkpoint")
+    return ", ".join(parts)
+
+
+def check_reuse(run_dir: Path, cfg: DictConfig, key: str = "hydra.run.dir") -> bool:
+    """Refuse (UserError) a run directory that holds an earlier run unless the config continues it (resume=auto, or
+    resume=<checkpoint>) or replaces it (trainer.overwrite=true), or while that run is still running on this host.
+    True when an earlier run is there."""
+    found = earlier_run(run_dir)
+    if found is None:
+        return False
+    record = read_status(run_dir)
+    if record is not None and record["state"] == "running" and live_here(record):
+        raise UserError(f"{run_dir} ({key}) is in use: its run is still running (pid {record['pid']} on this "
+                        "host); wait for it to end or stop it, or choose another directory")
+    if cfg.resume is None and not cfg.trainer.overwrite:
+        raise UserError(f"{run_dir} ({key}) holds an earlier run ({found}): add resume=auto to continue it, "
+                        f"trainer.overwrite=true to delete it and start afresh, or choose a new {key}")
+    return True
+
+
+def writable(directory: Path, what: str) -> None:
+    """Make `directory` if needed and write (and fsync) a small file in it, so that a directory that is a file,
+    read-only or on a full disk is one line now rather than a lost run later."""
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"cannot write {what} into {directory}: it is a file, not a directory (move it away)")
+    probe = directory / f".accutrain-write-test-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise UserError(f"cannot write {what} into {directory}: {e.strerror or e}") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def appendable(path: Path, what: str) -> None:
+    """The log file Hydra will open for appending (created empty when it does not exist)."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {what} {path}: {e.strerror or e}") from None
+
+
+def check_writable(run_dir: Path, log_file: Optional[Path] = None) -> None:
+    """The run directory, its checkpoints/ and (when given) its log file can be written."""
+    writable(run_dir, "the run's files")
+    writable(run_dir / CHECKPOINTS, "checkpoints")
+    if log_file is not None:
+        appendable(log_file, "the log file")
+
+
+def clear(run_dir: Path) -> list[str]:
+    """trainer.overwrite=true: delete what an earlier run wrote (checkpoints, metrics.jsonl, status.json, config.yaml,
+    plots, summaries) and empty its train.log (which Hydra may already hold open); the names removed."""
+    removed = []
+    for path in [*checkpoint_files(run_dir), *(run_dir / name for name in RUN_FILES)]:
+        if path.is_file():
+            path.unlink()
+            removed.append(path.relative_to(run_dir).as_posix())
+    log = run_dir / "train.log"
+    if log.is_file() and log.stat().st_size:
+        os.truncate(log, 0)
+        removed.append("train.log (emptied)")
+    return removed
+
+
+def prepare(run_dir: Path, cfg: DictConfig, log_file: Optional[Path] = None) -> None:
+    """Before a run writes anything into run_dir: refuse an earlier run's directory (unless continued or replaced),
+    check that it can be written, and with trainer.overwrite=true delete what the earlier run wrote."""
+    if check_reuse(run_dir, cfg) and cfg.trainer.overwrite:
+        removed = clear(run_dir)
+        log.warning(f"trainer.overwrite=true: deleted the earlier run's {', '.join(removed) or 'files'} in {run_dir}")
+    check_writable(run_dir, log_file)

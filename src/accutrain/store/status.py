@@ -1,0 +1,116 @@
+"""status.json in a run directory: `running` from the start, then `completed`, `failed` (with the error in one
+line) or `interrupted`, so that a report can tell finished, broken and still-running runs apart."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from accutrain.errors import Preempted, one_line
+from accutrain.store.files import write_atomic
+
+STATUS_FILE = "status.json"
+FINAL_STATES = ("completed", "failed", "interrupted", "requeued")  # requeued: preempted, to resume under submitit
+
+log = logging.getLogger("accutrain")
+
+
+def _now() -> str:
+    return datetime.now().astimezone().isoformat(timespec="milliseconds")
+
+
+def write_status(run_dir: Path, state: str, error: Optional[str] = None) -> None:
+    """Record the run's state; a final state keeps what the running record holds (start time, plan). Never raises:
+    logs a warning."""
+    record: dict[str, Any] = {"state": state, "started": _now(), "host": socket.gethostname(), "pid": os.getpid()}
+    if state != "running":
+        record = {**(read_status(run_dir) or {}), **{k: v for k, v in record.items() if k != "started"}}
+        record.setdefault("started", _now())
+        record["ended"] = _now()
+    if error is not None:
+        record["error"] = error
+    _write(run_dir, record)
+
+
+def add_to_status(run_dir: Path, **fields: Any) -> None:
+    """Add fields (the batch plan, …) to the run's status record, if it has one."""
+    record = read_status(run_dir)
+    if record is not None:
+        _write(run_dir, {**record, **fields})
+
+
+def _write(run_dir: Path, record: dict[str, Any]) -> None:
+    path = run_dir / STATUS_FILE
+    try:
+        write_atomic(path, json.dumps(record) + "\n")
+    except OSError as e:
+        log.warning(f"could not record the run's status in {path}: {e}")
+
+
+def read_status(run_dir: Path) -> Optional[dict[str, Any]]:
+    """The status record, or None when there is none or it cannot be read."""
+    try:
+        record = json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "state" in record else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process exists on this host and has not ended (a killed process not yet reaped is a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (macOS): trust os.kill
+        return True
+    return state not in ("Z", "X")
+
+
+def live_here(record: dict[str, Any]) -> bool:
+    """The record's process runs on this host, and is not this process."""
+    return (record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int)
+            and record["pid"] != os.getpid() and _alive(record["pid"]))
+
+
+def current_state(record: Optional[dict[str, Any]]) -> str:
+    """completed | failed | interrupted | running | unknown (no record).
+
+    A `running` record whose process is gone from this host was killed without a word: interrupted. On another
+    host (a cluster node) that cannot be checked, so it stays running.
+    """
+    if record is None:
+        return "unknown"
+    state = record["state"]
+    if state in FINAL_STATES:
+        return state
+    if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) and not _alive(record["pid"]):
+        return "interrupted"
+    return "running"
+
+
+@contextmanager
+def recorded(run_dir: Path) -> Iterator[None]:
+    """Mark the run running, then completed, failed (error in one line) or interrupted (a signal); re-raises."""
+    write_status(run_dir, "running")
+    try:
+        yield
+    except KeyboardInterrupt:
+        write_status(run_dir, "interrupted")
+        raise
+    except Preempted as e:
+        write_status(run_dir, "interrupted", str(e))
+        raise
+    except BaseException as e:
+        write_status(run_dir, "failed", one_line(e))
+        raise
+    write_status(run_dir, "completed")

@@ -1,0 +1,167 @@
+"""From the typed config to everything the loop needs: data, model, optimizer, scheduler, the batch plan, the
+window loader, and how the ranks share the model (the strategy: DDP or FSDP). Each part comes from a small
+factory chosen by the config."""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import Subset
+
+from accutrain import dist
+from accutrain.config.targets import accepted, factory
+from accutrain.core import compiled, lr_scaling
+from accutrain.core.batches import BatchFormat, batch_format
+from accutrain.core.grad_buffers import grad_buffer_spec
+from accutrain.core.loss import make_loss
+from accutrain.core.mixing import make_mixer
+from accutrain.core.monitor import Monitor
+from accutrain.core.plan import make_plan
+from accutrain.core.precision import Precision, make_precision
+from accutrain.core.windows import WindowSampler, window_loader
+from accutrain.data import datasets as data
+from accutrain.data import views
+from accutrain.dist import World
+from accutrain.errors import UserError
+from accutrain.models import factories as models
+from accutrain.models import norms, pitfalls
+from accutrain.models.checkpointing import enable_activation_checkpointing
+from accutrain.models.ema import make_ema
+from accutrain.parallel.strategy import Strategy
+from accutrain.seeding import seed_everything
+from accutrain.train.auto_batch import auto_micro_batch
+from accutrain.train.components import Components
+
+log = logging.getLogger("accutrain")
+
+
+def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Optional[Path] = None) -> Components:
+    """Build the run's components on this rank's `device`. The config was validated by the caller."""
+    trainer = cfg.trainer
+    seed_everything(cfg.seed)  # the initial weights depend on the seed only: the data is made on a fork of the RNG
+    make_data, data_kwargs = factory("data", cfg.data)
+    data_kwargs = {**accepted(make_data, dict(seed=cfg.seed)), **data_kwargs}  # the run's seed, unless given
+    with main_first(world), torch.random.fork_rng(devices=[]):
+        datasets: data.Datasets = make_data(**data_kwargs)
+    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
+    precision = make_precision(trainer.precision, device)
+    batches = batch_format(cfg.data, datasets.collate)
+    strategy = make_strategy(cfg, world, device, precision)
+    # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
+    model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
+    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index, cfg.loss.shift_labels, model,
+                     cfg.loss.label_smoothing)
+    mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
+    if loss.shift_labels and batches([datasets.train[0]]).target.dim() < 2:
+        raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
+                        "target per sample")
+    if trainer.export == "hf" and not hasattr(model, "save_pretrained"):
+        raise UserError(f"trainer.export=hf needs a Hugging Face model (model=hf_causal_lm or model=hf_seq_cls), "
+                        f"not {cfg.model._target_}")
+
+    make_optimizer, optim_kwargs = factory("optim", cfg.optim)
+    optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
+    spec = grad_buffer_spec(trainer, precision, device, world.size)
+    micro_batch = cfg.micro_batch
+    if micro_batch == "auto":  # before SyncBatchNorm (no rank waits in a trial's collective) and the buffers' hooks
+        micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, loss, cache_dir,
+                                       spec)
+    buffers = spec.build(model) if spec else None
+    synced = world.size > 1 and cfg.model.get("sync_batchnorm", False)
+    if synced:  # CUDA only: launch refuses it on the CPU
+        norms.sync_batchnorm(model)
+    plan = make_plan(
+        micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
+        train_size=len(datasets.train), last_window=trainer.last_window,
+        epochs=trainer.epochs, max_steps=trainer.max_steps, schedule=cfg.get("batch_schedule"),
+    )
+    for line in plan.describe():
+        log.info(line)
+    log.info(data.describe_split_sizes(datasets))
+    for group in optimizer.param_groups:  # optim.lr_scaling applies at each optimizer step, for its window's batch
+        group["lr"] = group["initial_lr"] = cfg.optim.lr
+    if line := lr_scaling.describe(cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch):
+        log.info(line + ("; each window's scheduled batch scales its own step" if plan.schedule else ""))
+    make_scheduler, sched_kwargs = factory("sched", cfg.sched)
+    scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
+
+    if trainer.compile:  # in place, once: after the search and the buffers' hooks, before DDP wraps it
+        compiled.compile_model(model, trainer.compile_mode, trainer.compile_backend)
+        log.info(f"torch.compile (backend {trainer.compile_backend}, mode {trainer.compile_mode or 'default'}): the "
+                 "model compiles at its first micro-batch; micro-batches of 0 or 1 samples and evaluation run eager")
+    wrapped = strategy.wrap(model)
+    for line in strategy.describe():
+        log.info(line)
+
+    pin = device.type == "cuda"
+    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer)  # MixUp/CutMix drawn per window
+    # The loaders draw their workers' seeds from generators of their own, never from the global RNG that dropout uses.
+    # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
+    # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
+    # communicates (a skipped stand-in would leave the other ranks waiting) and which takes zero samples.
+    loader = window_loader(datasets.train, sampler, cfg.data.num_workers, pin,
+                           generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
+                           stand_in=not synced and not strategy.lockstep)
+    val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
+    val_loader = strategy.eval_batches(
+        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin, cfg.seed,
+                         collate=batches), lambda: batches([datasets.val[0]]).head(0))
+    for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
+                    pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),
+                    pitfalls.unshifted_labels_warning(loader.dataset.__getitems__(next(sampler.windows())[0])[1],
+                                                      loss)):
+        if warning:
+            log.warning(warning)
+    typed_trainer = OmegaConf.to_object(trainer)  # the schema's dataclass: no OmegaConf lookup past the build
+    scaling = lr_scaling.BatchScaling(cfg.optim.lr_scaling, cfg.optim.base_batch)
+    return Components(cfg, typed_trainer, scaling, world, plan, device, model, wrapped, strategy, optimizer, scheduler,
+                      sampler, loader, val_loader, precision, buffers, loss, make_ema(trainer, model),
+                      Monitor.from_config(trainer), datasets.tokenizer)
+
+
+def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
+                precision: Precision, strategy: Optional[Strategy] = None) -> nn.Module:
+    """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device
+    (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm comes later, in build,
+    once micro_batch=auto has searched)."""
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
+    model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
+    norms.convert_norm(model, cfg.model.get("norm", "keep"), cfg.model.get("norm_groups", 32))
+    if cfg.trainer.activation_checkpointing:
+        if wrapped := enable_activation_checkpointing(model):
+            log.info(f"activation checkpointing: {wrapped} blocks recompute their activations in backward")
+        else:
+            log.warning("trainer.activation_checkpointing=true does nothing for this model: it has no blocks to "
+                        "wrap (modules with parameters inside an nn.Sequential or nn.ModuleList)")
+    if strategy is not None:
+        strategy.check_model(model, cfg)
+    model = model.to(device=strategy.model_device(device) if strategy else device, dtype=precision.param_dtype)
+    log.info(f"model {models.model_name(model_cfg)}: {models.count_parameters(model):,} parameters, "
+             f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
+             + (f", precision {precision.name}" if precision.name != "32" else ""))
+    return model
+
+
+@contextmanager
+def main_first(world: World) -> Iterator[None]:
+    """Rank 0 runs the block first (a download, say), the other ranks after it."""
+    if not world.main:
+        dist.wait_for_main(world)
+    yield
+    if world.main:
+        dist.wait_for_main(world)
+
+
+def make_strategy(cfg: DictConfig, world: World, device: torch.device, precision: Precision) -> Strategy:
+    """The strategy `strategy=` names, for this rank (FSDP's module is imported only when it is chosen)."""
+    if cfg.strategy.name == "fsdp":
+        from accutrain.parallel.fsdp import FSDP
+
+        return FSDP(cfg.strategy, world, device, precision)
+    return Strategy(world, device)

@@ -1,0 +1,298 @@
+"""accutrain-check: is the configured run's accumulated gradient the big batch's gradient, for this model and data?
+
+It takes the run's first window, computes the optimizer-step gradient both ways — accumulated over the configured
+micro-batches (every device's, in one process) and as one batch of the whole window — and compares them per
+parameter group. When they differ it names the causes it finds: BatchNorm in training mode, dropout, any other
+module whose output for a sample depends on the rest of its batch, and a loss reduction that is not the mean.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from accutrain.config.validate import validate
+from accutrain.core import memory
+from accutrain.core.batches import Batch, as_batch
+from accutrain.core.loss import SummedLoss
+from accutrain.core.plan import derive_accum
+from accutrain.core.precision import full_float32, tolerance
+from accutrain.core.step import accumulate
+from accutrain.core.windows import MicroBatch, WindowSampler
+from accutrain.dist import World, count_devices, resolve_device
+from accutrain.models.norms import REMEDIES, batchnorm_layers, local_batchnorm
+from accutrain.models.pitfalls import dropout_layers
+from accutrain.seeding import deterministic_algorithms
+from accutrain.store.checkpoint import rng_state, set_rng_state
+from accutrain.train.build import build
+from accutrain.train.components import Components
+
+
+@dataclass
+class Check:
+    window: int  # samples in the window
+    micro_batch: int
+    micro_batches: int
+    precision: str
+    groups: dict[str, float]  # relative difference of the gradient, per parameter group (top-level module)
+    overall: float
+    tolerance: float
+    reference_on: str  # where the one-batch gradient was computed
+    causes: list[str] = field(default_factory=list)
+
+    @property
+    def faithful(self) -> bool:
+        return self.overall <= self.tolerance
+
+    def lines(self) -> list[str]:
+        out = [f"first window: {self.window} samples in {self.micro_batches} micro-batches of up to "
+               f"{self.micro_batch} (precision {self.precision}); one-batch reference computed on "
+               f"{self.reference_on}",
+               f"{'parameter group':<28} relative difference of the gradient"]
+        out += [f"  {name:<26} {diff:.2e}" for name, diff in self.groups.items()]
+        out.append(f"  {'overall':<26} {self.overall:.2e}")
+        if self.faithful:
+            out.append(f"verdict: faithful — the accumulated step is the big batch's step (within "
+                       f"{self.tolerance:.0e} at precision {self.precision})")
+        else:
+            out.append(f"verdict: NOT faithful — the accumulated step differs from the big batch's by "
+                       f"{self.overall:.1e} (tolerance {self.tolerance:.0e} at precision {self.precision})")
+        if self.causes:
+            out.append("causes found:" if not self.faithful else "noted:")
+            out += [f"  - {cause}" for cause in self.causes]
+        return out
+
+
+def components_for_check(cfg: DictConfig) -> Components:
+    """The run accutrain-check inspects: one process, every device's micro-batches of a window taken in turn."""
+    validate(cfg)
+    cfg = cfg.copy()
+    device = resolve_device(cfg.trainer.device)
+    devices = count_devices(cfg.devices, device.type)
+    if cfg.micro_batch != "auto":
+        cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
+        cfg.global_batch = None
+    cfg.devices = devices  # the world is World(): devices only tells the check whom SyncBatchNorm would span
+    cfg.strategy = {"name": "ddp"}  # the accumulation's arithmetic, on the whole model: FSDP's is the same
+    return build(cfg, World(), device)
+
+
+def synced_devices(c: Components) -> int:
+    """How many devices' micro-batches one BatchNorm statistic spans: all of them with model.sync_batchnorm."""
+    if not c.cfg.model.get("sync_batchnorm", False):
+        return 1
+    return c.world.size if c.world.size > 1 else c.cfg.devices if isinstance(c.cfg.devices, int) else 1
+
+
+def window_batches(c: Components, devices: int = 1) -> tuple[list[Batch], Batch]:
+    """The run's first window (epoch 0) as the micro-steps that run it — each every device's micro-batch of that
+    step when `devices` > 1 (SyncBatchNorm normalises over them together) — and as one batch (padded to its
+    longest sample, for data padded per micro-batch)."""
+    sampler = WindowSampler(c.plan, c.cfg.seed)  # rank 0 of 1: every device's micro-batches, in turn
+    sampler.set_epoch(0)
+    micro_batches = next(sampler.windows())
+
+    def fetch(parts: list[MicroBatch]) -> Batch:
+        return c.loader.dataset.__getitems__(MicroBatch.join(parts))[1]
+
+    return ([fetch(micro_batches[k : k + devices]) for k in range(0, len(micro_batches), devices)],
+            fetch(micro_batches))
+
+
+def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
+              loss: SummedLoss) -> dict[str, torch.Tensor]:
+    """The window's gradient, accumulated over `micro`; the model's weights, statistics, gradients and gradient
+    buffers are as before afterwards, also when it fails (an out-of-memory halfway through backward, say)."""
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    buffers = c.buffers if model is c.model else None
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(c.cfg.seed)  # both ways draw the same random numbers where they can
+            accumulate(model, micro, terms, device, precision=precision, loss=loss)
+        if buffers is not None:
+            buffers.release()
+        return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        if buffers is not None:
+            buffers.clear()
+        model.zero_grad(set_to_none=True)
+        model.load_state_dict(state)
+
+
+def _cpu_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` on the CPU, its floating tensors in `dtype`, made without a second copy on the model's
+    device (after an out-of-memory there is no room for one) and without its gradients."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        cpu = t.detach().to("cpu", copy=True)  # converted on the CPU, below: no temporary on the device
+        cpu = cpu.to(dtype) if cpu.is_floating_point() else cpu
+        memo[id(t)] = nn.Parameter(cpu, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else cpu
+    return copy.deepcopy(model, memo)
+
+
+def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    diff = torch.sqrt(sum((x - y).square().sum() for x, y in zip(a, b)))
+    norm = torch.sqrt(sum(y.square().sum() for y in b))
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+def run_check(c: Components) -> Check:
+    """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched.
+
+    One process does it all, so SyncBatchNorm layers run as plain BatchNorm (no collective: the other ranks are
+    not in it), each over every device's micro-batch of a micro-step, which is what SyncBatchNorm normalises
+    over. TF32 is off inside (cuDNN convolutions default to it on CUDA): the two ways may pick different
+    algorithms, and TF32's rounding would swamp float32's tolerance. A sharded run's check builds the whole model
+    again in this process."""
+    if c.strategy.lockstep:
+        rng = rng_state()  # building draws the seed's initial weights again
+        try:
+            return run_check(components_for_check(c.cfg))
+        finally:
+            set_rng_state(rng)
+    with local_batchnorm(c.model), full_float32(), deterministic_algorithms(c.trainer.deterministic):
+        return _compare(c)
+
+
+def _compare(c: Components) -> Check:
+    device, loss = c.device, c.loss
+    precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
+    micro, whole = window_batches(c, synced_devices(c))  # micro-batch k runs at micro-step k // devices
+    accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
+
+    big = [whole]
+    per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
+    reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
+    reference, where = None, str(device)
+    try:
+        reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
+    except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU (below, once the
+        if not memory.is_oom(e):  # failed attempt's tensors are freed)
+            raise
+    if reference is None:
+        memory.free_memory(device)
+        cpu = _cpu_copy(c.model, torch.float64)
+        fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
+                                   param_dtype=torch.float64)
+        reference = _gradient(c, cpu, [whole.apply(lambda t: t.double() if t.is_floating_point() else t)],
+                              reference_terms, torch.device("cpu"), fp64, loss)
+        where = "the CPU in float64 (the window does not fit the device)"
+
+    groups: dict[str, list[str]] = defaultdict(list)
+    depth = wrapper_depth(list(accumulated))
+    for name in accumulated:
+        groups[name.split(".")[depth]].append(name)  # its top-level module below the wrappers
+    per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
+                 for g, names in groups.items()}
+    overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
+    micro_batches = -(-len(whole) // c.plan.micro_batch)  # every device's, of up to micro_batch samples
+    check = Check(len(whole), c.plan.micro_batch, micro_batches, precision.name, per_group, overall,
+                  tolerance(precision.name), where)
+    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check, loss.elements,
+                          per_element)
+    return check
+
+
+def wrapper_depth(names: list[str]) -> int:
+    """How many leading module names every parameter shares: the wrappers around the model proper (a Hugging Face
+    model in accutrain's adapter, `model.transformer.…`, is grouped by `wte`, `h`, `ln_f`, … below them)."""
+    split = [n.split(".")[:-1] for n in names]
+    depth = 0
+    while split and all(len(parts) > depth and parts[depth] == split[0][depth] for parts in split):
+        depth += 1
+    return depth
+
+
+def causes(model: nn.Module, micro: list[Batch], big: Batch, seen: int, check: Check, elements: bool,
+           per_element: bool) -> list[str]:
+    """What in the model and loss makes (or could make) the accumulated step differ from the big batch's; `seen`:
+    the samples one BatchNorm statistic covers (a micro-batch, or every device's with SyncBatchNorm)."""
+    found = []
+    norms = [name for name, _ in batchnorm_layers(model, training_only=True)]
+    if norms:
+        found.append(f"{len(norms)} BatchNorm layers in training mode: each normalises a micro-batch of "
+                     f"{seen} samples with that micro-batch's statistics, not the window's {check.window}. "
+                     f"Remedies: {REMEDIES}")
+    dropout = dropout_layers(model)
+    if dropout:
+        found.append(f"{len(dropout)} dropout layers in training mode ({', '.join(dropout[:4])}"
+                     f"{', …' if len(dropout) > 4 else ''}): their random masks depend on how the window is cut; "
+                     "the step matches the big batch's in distribution, not draw for draw")
+    probe = micro[0] if len(micro[0]) >= 2 else big.head(2)  # a micro-batch: it fits
+    try:
+        others = [n for n in batch_dependent_modules(model, probe) if n not in norms]
+    except Exception as e:
+        if not memory.is_oom(e):
+            raise
+        others = []
+        found.append("(the search for other batch-dependent modules ran out of memory and was skipped)")
+    if others:
+        found.append(f"modules whose output for a sample depends on the other samples of its batch: "
+                     f"{', '.join(others[:6])}{', …' if len(others) > 6 else ''}")
+    if per_element and not elements:
+        found.append("per-element targets with loss.normalize=samples: the window's loss is its token losses "
+                     "summed per sample, not their mean over the window's tokens, so windows with more tokens "
+                     "take larger steps; use loss.normalize=elements")
+    return found
+
+
+@torch.no_grad()
+def batch_dependent_modules(model: nn.Module, batch: Batch | tuple) -> list[str]:
+    """Modules whose output for the first half of a batch changes when the second half is left out (each run on
+    its own recorded input, dropout off); only the innermost such modules are named."""
+    probe = _cpu_copy(model, torch.float32)
+    for name in dropout_layers(probe):
+        probe.get_submodule(name).eval()
+    batch = as_batch(batch).apply(lambda t: t.to("cpu").float() if t.is_floating_point() else t.to("cpu"))
+    n, recorded = len(batch.target), {}
+    hooks = [m.register_forward_hook(functools.partial(_record, recorded, name), with_kwargs=True)
+             for name, m in probe.named_modules() if name]
+    try:
+        batch.forward(probe)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = max(1, n // 2)
+    flagged = []
+    for name, (args, kwargs) in recorded.items():
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if n < 2 or not tensors or any(t.dim() == 0 or len(t) != n for t in tensors):
+            continue  # not batch-first: cannot be probed this way
+        module = probe.get_submodule(name)
+        whole = _first_tensor(module(*args, **kwargs))
+        part = _first_tensor(module(*_head(args, k), **{key: _head(v, k) for key, v in kwargs.items()}))
+        if whole is None or part is None or len(whole) != n:
+            continue
+        scale = whole[:k].abs().max().clamp_min(1e-6)
+        if not torch.allclose(whole[:k], part, rtol=1e-3, atol=1e-4 * float(scale)):
+            flagged.append(name)
+    return [f for f in flagged if not any(other.startswith(f + ".") for other in flagged)]
+
+
+def _record(store: dict, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    store.setdefault(name, (args, kwargs))
+
+
+def _head(value: Any, k: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:k]
+    if isinstance(value, tuple):
+        return tuple(_head(v, k) for v in value)
+    return value
+
+
+def _first_tensor(output: Any) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None

@@ -1,0 +1,50 @@
+"""Components: everything the loop needs, built once from the config (accutrain.train.build)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.data import DataLoader
+
+from accutrain.config.train import TrainerConfig
+from accutrain.core.grad_buffers import GradBuffers
+from accutrain.core.loss import SummedLoss
+from accutrain.core.lr_scaling import BatchScaling
+from accutrain.core.monitor import Monitor
+from accutrain.core.plan import BatchPlan
+from accutrain.core.precision import Precision
+from accutrain.core.windows import InProcessLoader, WindowSampler
+from accutrain.dist import World
+from accutrain.models.ema import EMA
+from accutrain.parallel.strategy import Strategy
+
+
+@dataclass
+class Components:
+    """Everything the loop needs, built once from the config. Past the build the loop reads typed settings only
+    (`trainer`, `lr_scaling`); `cfg`, the composed config, is kept for what records it (a checkpoint's copy) or
+    builds again from it (accutrain-check)."""
+
+    cfg: DictConfig
+    trainer: TrainerConfig  # trainer.*, as the schema's dataclass
+    lr_scaling: BatchScaling  # optim.lr_scaling and optim.base_batch
+    world: World
+    plan: BatchPlan
+    device: torch.device
+    model: nn.Module  # the bare model: its state_dict is what checkpoints hold
+    wrapped: nn.Module  # what the loop calls: the DDP wrapper on several devices, else the model itself
+    strategy: Strategy  # how the ranks share the model: no_sync, the reductions' counts, checkpoint state
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: WindowSampler
+    loader: DataLoader | InProcessLoader  # yields (window, micro-batch) in the sampler's order
+    val_loader: DataLoader
+    precision: Precision
+    buffers: Optional[GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)
+    loss: SummedLoss
+    ema: Optional[EMA]  # the moving average of the weights (trainer.ema)
+    monitor: Monitor  # the evaluation metric best.pt and early stopping follow
+    tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)

@@ -1,0 +1,245 @@
+"""The loop: windows → accumulate → one optimizer step → record, evaluate, checkpoint.
+
+Per window: |W| is known before the first backward (the sampler counts samples; element-normalised losses count
+their elements across ranks first); each micro-batch backpropagates its summed loss × world / |W| (step.py);
+then, once per window: gradients back from their buffers, AMP unscale, the global norm (clipped if asked), one
+small all-reduce of the loss and the stop votes, one optimizer and scheduler step, zero_grad, the record. The host
+waits for the device once per window (`settle`), never per micro-batch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from accutrain import dist
+from accutrain.config.train import OnNonFinite
+from accutrain.core import lr_scaling, memory
+from accutrain.core.precision import found_inf_and_update
+from accutrain.core.progress import Progress
+from accutrain.core.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
+from accutrain.core.windows import Window, windows_of
+from accutrain.errors import NonFinite, UserError
+from accutrain.models import norms, pitfalls
+from accutrain.signals import StopRequest
+from accutrain.train.components import Components
+from accutrain.train.metrics import MetricsLog
+from accutrain.train.steplog import Settled, StepLog
+
+log = logging.getLogger("accutrain")
+
+
+@dataclass
+class Outcome:
+    progress: Progress
+    seconds: float  # this session's wall time in the loop
+    samples: int  # samples this session trained on
+    peak_mb: float  # the highest per-step peak memory of this session (MiB)
+    stopped_by: Optional[str] = None  # the signal that stopped the run early
+    checkpoint: Optional[Path] = None
+    early_stop: bool = False  # trainer.early_stopping ended the run before its plan
+    tokens: Optional[int] = None  # the loss terms this session trained on, when they are elements (tokens)
+
+
+def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callable[..., Optional[Path]],
+        stop: StopRequest) -> Outcome:
+    """Run the plan's remaining optimizer steps, one window of micro-batches each; evaluate and checkpoint
+    (`save(progress)`, and `save(progress, best=True)` when an evaluation is the best so far)."""
+    plan, trainer = parts.plan, parts.trainer
+    params = [param for param in parts.model.parameters() if param.requires_grad]
+    record = StepLog(parts, metrics, progress)
+    parts.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check)
+    if parts.buffers:
+        parts.buffers.clear()
+    for epoch in range(progress.epoch, plan.total_epochs):
+        parts.sampler.set_epoch(epoch, start_window=progress.window)
+        for window, batches in windows_of(parts.loader):
+            record.start()
+            terms, batches = window_terms(parts, window, batches)  # |W|: the window's samples (or elements), all ranks
+            losses = accumulate_window(parts, progress, window, batches, terms)  # forward+backward per micro-batch
+            if parts.buffers:
+                parts.buffers.release()  # the window's summed gradients back into .grad
+            settled = settle(parts, params, trainer.grad_clip, losses, stop)  # unscale, norm, clip, all-reduce: 1 sync
+            lr_factor = parts.lr_scaling.factor(window.batch)
+            loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * lr_factor
+            skipped = optimizer_step(parts, loss, settled, lr_factor, progress)
+            if parts.ema is not None and skipped is None:
+                parts.ema.update(parts.model)  # the average moves with the optimizer step, only when one was taken
+            parts.optimizer.zero_grad(set_to_none=True)
+            progress.advance(window, plan, loss, skipped)
+            record(window, terms, loss, lr, settled, skipped,
+                   sum(pieces(n, progress.oom_parts) for n in window.sizes))
+
+            step, done, patience_out = progress.step, progress.step == plan.total_steps, False
+            if done or (step % trainer.eval_every == 0 if trainer.eval_every else progress.window == 0):
+                if run_validation(parts, metrics, progress):
+                    save(progress, best=True)
+                patience_out = not done and parts.monitor.out_of_patience(progress.evals_since_best)
+            if done or settled.stop or patience_out or (trainer.checkpoint_every and
+                                                         step % trainer.checkpoint_every == 0):
+                metrics.flush()  # every record up to this checkpoint is on disk before it
+                path = save(progress)
+                if done or settled.stop or patience_out:
+                    return outcome(record, progress, stop.name if settled.stop else None, path, patience_out)
+    return outcome(record, progress, None, None)
+
+
+def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], losses: torch.Tensor,
+           stop: StopRequest) -> Settled:
+    """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
+    update do, without step's wait: precision.found_inf_and_update),
+    the global norm (clipped if asked), and with several ranks one all-reduce of the loss and the stop votes; then
+    the host reads it all as one small tensor (`losses`, this rank's micro-batch loss sums, included) — the step's
+    only synchronisation."""
+    device, scaler = parts.device, parts.precision.scaler
+    if scaler:
+        scaler.unscale_(parts.optimizer)  # before the norm and clipping
+    figures = {"norm": grad_norm(params, grad_clip).to(device)}  # global already: DDP averaged the gradients
+    if scaler:
+        found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
+        figures.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
+    stopping = stop.signum is not None
+    if parts.world.size > 1:  # every rank's loss and stop vote, summed: (loss, votes)
+        losses = dist.all_reduce_sum(torch.stack([losses.sum(dtype=torch.float64), torch.tensor(
+            float(stopping), dtype=torch.float64, device=device)]), parts.world)
+    values = torch.cat([losses, torch.stack(list(figures.values()))]).tolist()  # the one wait; exact in float64
+    read = dict(zip(figures, values[len(losses):]))
+    if parts.world.size > 1:
+        loss_sum, stopping = values[0], values[1] > 0
+    else:
+        loss_sum = sum(values[:len(losses)])  # the micro-batches' sums, added in float64
+    return Settled(loss_sum=loss_sum, norm=read["norm"], stop=stopping,
+                   overflow=read.get("found_inf", 0.0) > 0, scale=read.get("scale"))
+
+
+def outcome(record: StepLog, progress: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
+            early_stop: bool = False) -> Outcome:
+    record.close()
+    return Outcome(progress, record.seconds, record.samples, record.peak, stopped_by, checkpoint, early_stop,
+                   record.tokens if record.elements else None)
+
+
+def window_terms(parts: Components, window: Window, batches: Iterator[Any]) -> tuple[int, Iterable[Any]]:
+    """(|W|, the window's batches): the loss terms on every rank, known before the first backward — its samples
+    (from the sampler; the batches are then still to be loaded), or (loss.normalize=elements) its elements whose
+    target is not ignore_index, counted in the loaded batches and summed over ranks."""
+    if not parts.loss.elements:
+        return window.size, batches
+    loaded = list(batches)  # counted on the host, where the loader left them: no wait for the device
+    terms = parts.loss.terms(loaded)
+    if parts.world.size > 1:
+        terms = int(dist.all_reduce_sum(torch.tensor(terms, device=parts.device), parts.world).item())
+    if terms == 0:
+        raise UserError(f"window {window.index} has no element to learn from: every target equals "
+                        f"loss.ignore_index={parts.loss.ignore_index}")
+    return terms, loaded
+
+
+def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int
+                      ) -> torch.Tensor:
+    """accumulate() the window's micro-batches, each cut into progress.oom_parts; after an out-of-memory, the window
+    again from its first micro-batch (those already loaded are kept for that), cut into twice as many."""
+    batches, loaded = iter(batches), []
+
+    def micro_batches() -> Iterator[Any]:
+        cuts = progress.oom_parts
+        yield from cut_micro_batches(loaded, cuts)
+        for batch in batches:
+            loaded.append(batch)
+            if cuts == 1:
+                yield batch
+            else:
+                yield from cut_micro_batches([batch], cuts)
+
+    while True:
+        try:
+            return accumulate(parts.wrapped, micro_batches(), terms, parts.device, world=parts.world.size,
+                              no_sync=parts.strategy.no_sync, precision=parts.precision, loss=parts.loss)
+        except Exception as e:
+            parts.strategy.explain(e)  # a known limitation of the strategy, as one line
+            cut_after_oom(parts, progress, window, e)
+
+
+def cut_after_oom(parts: Components, progress: Progress, window: Window, error: Exception) -> None:
+    """After an out-of-memory mid-window: drop the partial gradients and cut every micro-batch in twice as many.
+    The window, hence the effective batch and the exact gradient, stay the same; accum doubles from now on."""
+    if not memory.is_oom(error):
+        raise error
+    largest = max(-(-n // progress.oom_parts) for n in window.sizes)
+    if largest <= 1 or parts.world.size > 1 or parts.strategy.lockstep:
+        raise UserError(f"out of memory with micro-batches of {largest}" + (
+            " on one of several devices: set micro_batch lower (or micro_batch=auto)" if parts.world.size > 1 else
+            " under strategy=fsdp: set micro_batch lower" if parts.strategy.lockstep else
+            ": even one sample does not fit (try trainer.activation_checkpointing=true or bf16-mixed precision)"))
+    parts.optimizer.zero_grad(set_to_none=True)
+    if parts.buffers:
+        parts.buffers.clear()
+    memory.free_memory(parts.device)
+    progress.oom_parts *= 2
+    count = sum(pieces(n, progress.oom_parts) for n in window.sizes)
+    most = max(-(-n // progress.oom_parts) for n in window.sizes)
+    log.warning(f"out of memory with micro-batches of {largest} at optimizer step {progress.step + 1}: the window is "
+                f"re-split into {count} micro-batches of at most {most}; "
+                f"the effective batch stays {parts.plan.effective}" + twice_note(parts.model))
+
+
+def twice_note(model: torch.nn.Module) -> str:
+    """What running a window again from its first micro-batch after an out-of-memory does twice, for the log."""
+    twice = (["BatchNorm's running statistics take those samples in twice"] if norms.batchnorm_layers(model, True)
+             else []) + (["dropout draws new masks (the random stream moves on)"] if pitfalls.dropout_layers(model)
+                         else [])
+    return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
+
+
+def optimizer_step(parts: Components, loss: float, settled: Settled, lr_factor: float, progress: Progress
+                   ) -> Optional[str]:
+    """Step the optimizer (its learning rates × lr_factor, the window's batch scaling) and the scheduler once for the
+    window, or say why not: `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed: the
+    GradScaler, already updated by settle, lowered its scale)."""
+    scaler = parts.precision.scaler
+    if not math.isfinite(loss) or (not math.isfinite(settled.norm) and not scaler):
+        if parts.trainer.on_nonfinite is OnNonFinite.stop:
+            raise NonFinite(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at optimizer step "
+                            f"{progress.step + 1} (epoch {progress.epoch + 1}): stopping (trainer.on_nonfinite=skip "
+                            "skips such windows)")
+        return "nonfinite"
+    if settled.overflow:
+        return "amp_overflow"  # inf/NaN in the scaled gradients: no step, as GradScaler.step would decide
+    with lr_scaling.window_lr(parts.optimizer, lr_factor):
+        parts.optimizer.step()
+    parts.scheduler.step()
+    return None
+
+
+def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -> bool:
+    """Evaluate on the held-out split (every rank its share), with the averaged weights too when trainer.ema is on;
+    log it; follow the monitored metric. True when this evaluation is the best so far."""
+    record = dict(step=progress.step, epoch=progress.last_epoch + 1, **measure(parts, ""))
+    if parts.ema is not None:
+        with parts.ema.swapped_in(parts.model):
+            record.update(measure(parts, "_ema"))
+    metrics.evaluation(record)
+    log.info(f"step {progress.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
+             f"{record['val_acc']:.4f}" + (f"  val_ppl {record['val_ppl']:.4g}" if "val_ppl" in record else "")
+             + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc {record['val_acc_ema']:.4f})"
+                if parts.ema is not None else ""))
+    value = record[parts.monitor.metric]
+    if parts.monitor.improves(value, progress.best):
+        progress.best, progress.best_step, progress.evals_since_best = value, progress.step, 0
+        return True
+    progress.evals_since_best += 1
+    return False
+
+
+def measure(parts: Components, suffix: str) -> dict[str, float]:
+    """val_loss and val_acc (named with `suffix`) of the model's current weights over the whole held-out split."""
+    sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
+    loss_sum, correct, n = dist.all_reduce_sum(sums, parts.world).tolist()
+    measured = {f"val_loss{suffix}": loss_sum / n, f"val_acc{suffix}": correct / n}
+    if parts.loss.elements:  # perplexity, per token
+        measured[f"val_ppl{suffix}"] = math.exp(min(loss_sum / n, 700))
+    return measured

@@ -1,0 +1,107 @@
+"""Per optimizer step: the metrics.jsonl record, the progress bar, the periodic log line and the warnings of a
+skipped step; and this session's time, samples and peak memory for the summary. A few µs per step: every figure is
+already on the host (the loop's one synchronisation), the config is read once, the bar's text is set only when the
+bar is about to redraw, metrics.jsonl is written in batches."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from accutrain.core import compiled, memory
+from accutrain.core.progress import Progress
+from accutrain.core.windows import Window
+from accutrain.train.components import Components
+from accutrain.train.metrics import MetricsLog, progress_bar
+
+log = logging.getLogger("accutrain")
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A window's figures, read from the device once: its loss summed over every rank, the global gradient norm
+    (before clipping), 16-mixed's overflow and next scale, and whether any rank was asked to stop."""
+
+    loss_sum: float
+    norm: float
+    stop: bool
+    overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
+    scale: Optional[float] = None  # the GradScaler's scale for the next window
+
+
+class StepLog:
+    def __init__(self, c: Components, metrics: MetricsLog, p: Progress) -> None:
+        self.c, self.metrics, self.p = c, metrics, p
+        self.log_every, self.elements, self.scaler = c.trainer.log_every, c.loss.elements, c.precision.scaler
+        self.bar = progress_bar(c.plan.total_steps, p.step, c.trainer.progress and c.world.main)
+        self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
+        self.compiling = compiled.WATCH if compiled.is_compiled(c.model) else None
+        self.graphs_said, self.first_step = 0, p.step + 1
+        self.tokens = 0  # this session's loss terms, when they are elements
+
+    def start(self) -> None:
+        """A window begins: its time and its peak memory count from here."""
+        self.t0 = time.perf_counter()
+        memory.reset_peak(self.c.device)
+
+    def __call__(self, window: Window, terms: int, loss: float, lr: float, w: Settled, skipped: Optional[str],
+                 micro_batches: int) -> None:
+        """Record the optimizer step just taken (or skipped) on `window`: |W| = `terms`, `micro_batches` per rank."""
+        c, p, norm = self.c, self.p, w.norm
+        now = time.perf_counter()
+        seconds = now - self.t0
+        rate = window.size / seconds
+        epoch = p.last_epoch
+        record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
+                      samples=window.size, effective=window.batch, micro_batches=micro_batches, lr=lr,
+                      grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
+                      time=now - self.began, peak_mem_mb=round(memory.peak_mb(c.device), 1))
+        self.peak = max(self.peak, record["peak_mem_mb"])
+        if self.elements:  # tokens: their count, rate and the perplexity of the window
+            self.tokens += terms
+            record.update(elements=terms, tokens_per_s=terms / seconds,
+                          ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
+        if self.scaler:
+            record["amp_scale"] = w.scale
+        if c.strategy.comm is not None:
+            record["grad_syncs"], record["comm_bytes"] = c.strategy.comm.take()
+        if skipped:
+            record["skipped"] = skipped
+            log.warning(f"step {p.step}: " + (
+                "AMP overflow: the GradScaler skipped the optimizer and scheduler step and lowered its scale to "
+                f"{w.scale:g}" if skipped == "amp_overflow" else
+                f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'}; the window's gradients are "
+                f"dropped, no optimizer step ({p.skipped} skipped so far)"))
+        self.metrics.step(record)
+        unit, per_s = ("tokens", record["tokens_per_s"]) if self.elements else ("samples", rate)
+        if not self.bar.disable and time.time() - self.bar.last_print_t >= self.bar.mininterval:  # update() redraws
+            self.bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}_s": f"{per_s:.0f}"},
+                                 refresh=False)
+        self.bar.update()
+        if self.compiling is not None and self.compiling.graphs == 0 and p.step == self.first_step and \
+                c.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
+            log.warning("trainer.compile=true, yet torch.compile compiled nothing in the first optimizer step: the "
+                        "model runs eagerly (dynamo skipped it; TORCH_LOGS=graph_breaks,recompiles says why)")
+        if self.compiling is not None and self.compiling.graphs != self.graphs_said:
+            self.graphs_said = self.compiling.graphs
+            log.info(f"torch.compile: {self.graphs_said} graph(s) compiled so far, {self.compiling.seconds:.1f} s "
+                     f"compiling (optimizer step {p.step})")
+        if p.step % self.log_every == 0:
+            ppl = f"  ppl {record['ppl']:.4g}" if record.get("ppl") is not None else ""
+            log.info(f"step {p.step}/{c.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}{ppl}  lr {lr:.4g}  "
+                     f"grad_norm {norm:.3g}  {per_s:.0f} {unit}/s")
+
+    @property
+    def seconds(self) -> float:
+        """This session's wall time in the loop so far."""
+        return time.perf_counter() - self.began
+
+    @property
+    def samples(self) -> int:
+        """Samples this session has trained on."""
+        return self.p.samples - self.start_samples
+
+    def close(self) -> None:
+        self.bar.close()
