@@ -46,10 +46,25 @@ def import_revision(rev: str, into: Path) -> str:
     return "accutrain_at_rev"
 
 
+# Where each module the bench uses lives: the layered package, then the flat one that came before it.
+LAYOUTS = ({"build": "train.build", "config": "config.train", "dist": "dist", "loop": "train.loop",
+            "metrics": "train.metrics", "progress": "core.progress", "signals": "signals"},
+           {k: k for k in ("build", "config", "dist", "loop", "metrics", "progress", "signals")})
+
+
+def package_modules(package: str) -> dict:
+    """The bench's modules of `package`, in whichever layout it has."""
+    for layout in LAYOUTS:
+        try:
+            return {k: importlib.import_module(f"{package}.{path}") for k, path in layout.items()}
+        except ModuleNotFoundError:
+            continue
+    raise SystemExit(f"{package}: neither layout found")
+
+
 def accutrain_side(package: str, overrides: list[str], steps: int, warmup: int) -> float:
     """µs per optimizer step of `package`'s fit on the config."""
-    m = {k: importlib.import_module(f"{package}.{k}") for k in ("build", "config", "dist", "loop", "metrics",
-                                                                "progress", "signals")}
+    m = package_modules(package)
     # Both packages store their schemas in Hydra's one ConfigStore: this side's, again, before it composes.
     getattr(m["config"].register_schemas, "cache_clear", lambda: None)()
     cfg = m["config"].compose(*overrides)

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, auto, compile,
 #                                                    ddp, fsdp) into OUT/
 #
-# Steps: `tests` (pytest -m cuda: the CUDA correctness tests, e.g. tests/test_cuda_correctness.py), `smoke` (the
+# Steps: `tests` (pytest -m cuda: the CUDA correctness tests, e.g. tests/cuda/test_cuda_correctness.py), `smoke` (the
 # default job on the GPU, then accutrain-check), `memory` (scripts/bench_memory.py: peak memory and samples/s
 # against micro_batch), `overhead` (scripts/bench_overhead.py: accutrain's loop against the hand-written one, on
 # resnet18 and on the MLP), `auto` (scripts/bench_auto_batch.py: micro_batch=auto against the largest that fits),

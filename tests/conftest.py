@@ -18,8 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from accutrain.config.train import compose as compose_config
 from accutrain.run.launch import train
@@ -210,3 +212,46 @@ def assert_identical(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+# --- shared by several test modules -------------------------------------------------------------------
+# The exactness preset: 110 samples (windows of 32, 32, 32 and 14), 3 epochs, clipping and weight decay on.
+WINDOWS = ["data.size=110", "trainer.epochs=3", "trainer.grad_clip=0.5", "optim.weight_decay=1e-3"]
+EXACT = [*TINY, *WINDOWS]
+
+
+# A model of the tests' own that runs out of memory above `limit` samples (oommodel.py in the working directory).
+OOM_MODEL = '''
+import torch
+import torch.nn as nn
+
+class Net(nn.Module):
+    """An MLP whose training forward runs out of memory above `limit` samples."""
+    def __init__(self, num_classes, in_channels, image_size, limit=12):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 32), nn.ReLU(),
+                                 nn.Linear(32, num_classes))
+        self.limit = limit
+
+    def forward(self, x):
+        if self.training and x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {x.shape[0]} > {self.limit})")
+        return self.net(x)
+'''
+# The same network as accutrain's mlp with hidden=[32]: plain runs of the two take the same steps.
+OOM = [*TINY_DATA, "data.size=117", "trainer.epochs=2", "model=custom", "model._target_=oommodel.Net",
+       "optim.weight_decay=1e-3"]
+
+
+def make_image_folder(root, classes=("cat", "dog", "owl"), train=6, val=2, size=12):
+    """Generated PNGs: each class its own colour, plus noise."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train), ("val", val)):
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                base = np.zeros((size, size, 3)) + 60 * c + 40
+                pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+    return root

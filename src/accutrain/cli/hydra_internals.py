@@ -1,7 +1,7 @@
 """What the command line takes from Hydra's private modules (`hydra._internal`, hydra-core 1.3), in one place: the
 argument parser, the config search path and the Hydra instance that `hydra.main` makes, and the basic sweeper's
 split of a sweep into jobs — so that the checks before Hydra runs compose exactly what Hydra will.
-tests/test_hydra_internals.py fails, naming the function, when a Hydra release moves or changes one of them."""
+tests/config/test_hydra_internals.py fails, naming the function, when a Hydra release moves or changes one of them."""
 from __future__ import annotations
 
 from argparse import ArgumentParser

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ONE_THREAD
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 # The pages whose commands are run: the README first, then the manual's pages by name. Not docs/benchmarks.md: it
 # records how each figure was measured — benchmark scripts of minutes (python scripts/bench_*.py) and runs on a GPU
@@ -31,17 +31,19 @@ SKIPPED = {
     "accutrain data=cifar10": "downloads CIFAR-10: needs the internet",
     "accutrain -m hydra/launcher=slurm_gpu": "needs a SLURM cluster with GPUs",
     "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: "
-                                          "tests/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
+                                          "tests/report/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
                                           "writes_the_summary runs this launcher through the command line",
-    "accutrain devices=8": "eight worker processes, a GPU machine's commands: tests/test_fsdp.py runs strategy=fsdp "
+    "accutrain devices=8": "eight worker processes, a GPU machine's commands: tests/parallel/test_fsdp.py runs "
+                           "strategy=fsdp "
                            "(sync=last, sharded checkpoints) with devices=2",
     "accutrain -m devices=1,2": "spawns worker processes again, as `accutrain devices=2 micro_batch=8 accum=2` above "
-                                "(tests/test_ddp.py compares devices=2 with devices=1)",
+                                "(tests/parallel/test_ddp.py compares devices=2 with devices=1)",
     "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in docs/memory.md)",
     "accutrain model=hf_causal_lm model.name_or_path=gpt2": "downloads GPT-2: needs the internet",
     "accutrain model=hf_seq_cls model.name_or_path=distilbert": "downloads DistilBERT: needs the internet",
-    "tensorboard --logdir": "a web server: tests/test_trackers.py reads the event files with TensorBoard's reader",
-    "mlflow ui": "a web server: tests/test_trackers.py reads the runs back with MlflowClient",
+    "tensorboard --logdir": "a web server: tests/report/test_trackers.py reads the event files with TensorBoard's "
+                            "reader",
+    "mlflow ui": "a web server: tests/report/test_trackers.py reads the runs back with MlflowClient",
 }
 # Appended to a command that trains, unless it chooses these itself: a few seconds in all, not the real run.
 SHORT = ["trainer.max_steps=2", "trainer.progress=false"]
@@ -217,7 +219,7 @@ def test_the_pages_links_lead_somewhere():
 
 @pytest.mark.slow
 def test_every_readme_command_works_as_printed(tmp_path):
-    from test_data import make_image_folder
+    from conftest import make_image_folder
 
     home = tmp_path / "home"
     make_image_folder(home / "pets")  # `data.root=~/pets`

@@ -1,25 +1,10 @@
 """Datasets: the shipped digits, deterministic synthetic data, image folders, and missing data."""
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from accutrain.data.datasets import digits, image_folder, synthetic, torchvision_dataset
 from accutrain.errors import UserError
-
-
-def make_image_folder(root, classes=("cat", "dog", "owl"), train=6, val=2, size=12):
-    """Generated PNGs: each class its own colour, plus noise."""
-    rng = np.random.default_rng(0)
-    for split, count in (("train", train), ("val", val)):
-        for c, name in enumerate(classes):
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                base = np.zeros((size, size, 3)) + 60 * c + 40
-                pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
-                Image.fromarray(pixels).save(folder / f"{i}.png")
-    return root
+from conftest import make_image_folder
 
 
 def test_digits_ship_with_a_fixed_held_out_split():

@@ -1,9 +1,7 @@
 """Runs that learn, on each dataset, and what a run records."""
 import json
 
-from test_data import make_image_folder
-
-from conftest import TINY, read_metrics, train_here
+from conftest import TINY, make_image_folder, read_metrics, train_here
 
 
 def test_digits_run(tmp_path):

@@ -1,4 +1,4 @@
-"""The CUDA paths not covered by tests/test_cuda_correctness.py, each against a real GPU (`pytest -m cuda`, run by
+"""The CUDA paths not covered by tests/cuda/test_cuda_correctness.py, each against a real GPU (`pytest -m cuda`, run by
 scripts/gpu_check.sh; they skip without one): precision modes and 16-mixed's overflow, accum_dtype, offload_grads,
 micro_batch=auto and the out-of-memory re-split against a real out-of-memory, activation checkpointing, compile,
 pinned-memory loading, peak_mem_mb from the CUDA allocator, and one host–device synchronisation per step."""

@@ -9,7 +9,6 @@ import signal
 
 import pytest
 import torch
-from test_resume import assert_identical, start, wait_for_steps
 from torch import nn
 
 from accutrain.core.batches import Batch, BatchFormat, PadCollate, stand_in_guard
@@ -19,7 +18,8 @@ from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.errors import UserError
 from accutrain.models.factories import build_model
-from conftest import assert_one_line_user_error, assert_same_weights, final_weights, read_metrics, train_here
+from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
+                      start, train_here, wait_for_steps)
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import read_metrics, run_cli
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -102,7 +102,8 @@ def test_report_on_a_running_run(finished_run, tmp_path):
 
 
 def test_a_single_run_with_a_bad_value_is_one_line_and_writes_nothing(tmp_path):
-    """A bad value is refused before the run directory is made (a sweep's job records it: tests/test_sweeps.py)."""
+    """A bad value is refused before the run directory is made (a sweep's job records it:
+    tests/report/test_sweeps.py)."""
     run_dir, proc = train_run(tmp_path, "bad", *TINY, "micro_batch=0", check=False)
     assert proc.returncode == 2
     assert_one_line_error(proc, "micro_batch=0")

@@ -53,7 +53,7 @@ def reads_a_computed_value() -> bool:
 class CountHostReads(TorchDispatchMode):
     """Counts what would make the host wait for the device: .item() and the like (aten._local_scalar_dense) and
     .tolist() (patched in by the test) of a computed value. On the CPU nothing waits; on a GPU each would
-    (tests/test_cuda_paths.py counts them with CUDA's own sync debug mode)."""
+    (tests/cuda/test_cuda_paths.py counts them with CUDA's own sync debug mode)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -3,7 +3,6 @@ import json
 
 import pytest
 import torch
-from test_exact import EXACT, WINDOWS
 from torch import nn
 
 from accutrain.core.grad_buffers import GradBuffers
@@ -16,29 +15,8 @@ from accutrain.train.auto_batch import search_micro_batch
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
-                      train_here)
-
-OOM_MODEL = '''
-import torch
-import torch.nn as nn
-
-class Net(nn.Module):
-    """An MLP whose training forward runs out of memory above `limit` samples."""
-    def __init__(self, num_classes, in_channels, image_size, limit=12):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 32), nn.ReLU(),
-                                 nn.Linear(32, num_classes))
-        self.limit = limit
-
-    def forward(self, x):
-        if self.training and x.shape[0] > self.limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {x.shape[0]} > {self.limit})")
-        return self.net(x)
-'''
-# The same network as accutrain's mlp with hidden=[32]: plain runs of the two take the same steps.
-OOM = [*TINY_DATA, "data.size=117", "trainer.epochs=2", "model=custom", "model._target_=oommodel.Net",
-       "optim.weight_decay=1e-3"]
+from conftest import (EXACT, OOM, OOM_MODEL, TINY, TINY_DATA, WINDOWS, assert_one_line_user_error, assert_same_weights,
+                      final_weights, read_metrics, train_here)
 
 
 def close(a, b, rtol):

@@ -5,7 +5,6 @@ import signal
 
 import pytest
 import torch
-from test_exact import EXACT
 from torch import nn
 
 from accutrain.core.progress import Progress
@@ -17,8 +16,8 @@ from accutrain.signals import StopRequest
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
-                      start, train_here, train_run, wait_for_steps)
+from conftest import (EXACT, NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights,
+                      read_metrics, start, train_here, train_run, wait_for_steps)
 
 
 def test_one_update_is_the_formula_and_buffers_follow_timm():

@@ -9,7 +9,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as torch_dist
-from test_memory import OOM, OOM_MODEL
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,8 +34,8 @@ from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, run_cli, train_here)
+from conftest import (OOM, OOM_MODEL, TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error,
+                      assert_same_weights, final_weights, run_cli, train_here)
 
 CPU = torch.device("cpu")
 

@@ -258,7 +258,7 @@ def test_nonfinite_skip_drops_the_window_and_counts_it(tmp_path, nan_data):
 
 
 def test_a_corrupt_image_is_named(tmp_path):
-    from test_data import make_image_folder
+    from conftest import make_image_folder
     root = make_image_folder(tmp_path / "images")
     broken = root / "train" / "dog" / "3.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n this is not a picture")
