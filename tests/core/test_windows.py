@@ -151,3 +151,22 @@ def test_the_loader_reads_the_same_batches_in_process_and_in_worker_processes():
     for ours, theirs in zip(list(here), list(workers), strict=True):
         assert ours[0] == theirs[0] and ours[1].stand_in == theirs[1].stand_in
         assert torch.equal(ours[1].inputs, theirs[1].inputs) and torch.equal(ours[1].target, theirs[1].target)
+
+
+@pytest.mark.parametrize("micro_batch, accum, devices", [(8, 4, 1), (3, 5, 2), (32, 1, 2)])
+def test_a_window_read_again_is_the_window_the_sampler_gave(micro_batch, accum, devices):
+    """micro_batches_of(window): the same micro-batches (samples, order, empty ones) as the walk gave, on every rank
+    and in every epoch, so that an out-of-memory re-split reads a window anew instead of keeping it."""
+    for rank in range(devices):
+        sampler = sampler_of(micro_batch, accum, devices, rank)
+        for epoch in (0, 3):
+            sampler.set_epoch(epoch)
+            for given in sampler.windows():
+                window = given[0].window
+                again = sampler.micro_batches_of(window)
+                assert [list(m) for m in again] == [list(m) for m in given]
+                assert all(m.window == window for m in again)
+                assert sampler.share_of(window) == [i for m in given for i in m]
+                assert sorted(sampler.samples_of(window)) == sorted(
+                    i for r in range(devices) for m in sampler_of(micro_batch, accum, devices, r).micro_batches_of(
+                        window) for i in m)

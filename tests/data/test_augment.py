@@ -118,6 +118,19 @@ def test_mixing_draws_depend_on_the_window_only_and_pairs_stay_in_it():
     assert x.sum() == 16 and torch.allclose(y, torch.tensor([0.75, 0, 0.25]))
 
 
+def test_a_window_read_again_has_the_same_mixes():
+    """An out-of-memory re-split reads the window anew (WindowSampler.micro_batches_of): its MixUp/CutMix draws are
+    the window's, not the walk's, so they are the ones the first reading had."""
+    mixer = Mixer(seed=0, num_classes=3, height=8, width=8, mixup_alpha=0.4, cutmix_alpha=1.0, per_sample=True)
+    plan = make_plan(micro_batch=3, accum=5, devices=2, global_batch=None, train_size=110, last_window=LastWindow.step,
+                     epochs=1, max_steps=None)
+    for rank in range(2):
+        sampler = WindowSampler(plan, 0, rank, 2, mixer)
+        for given in sampler.windows():
+            again = sampler.micro_batches_of(given[0].window)
+            assert [(list(m), m.mixes) for m in again] == [(list(m), m.mixes) for m in given]
+
+
 def test_a_partner_in_another_micro_batch_or_rank_is_read_by_the_loader(compose):
     args = [*TINY, "augment.mixup_alpha=1.0", "augment.mix_mode=sample"]
     one, c = loader_views(compose, *args, "micro_batch=32")

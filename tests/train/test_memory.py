@@ -16,7 +16,7 @@ from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
 from conftest import (EXACT, OOM, OOM_MODEL, TINY, TINY_DATA, WINDOWS, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, train_here)
+                      final_weights, read_metrics, train_here, train_run)
 
 
 def close(a, b, rtol):
@@ -235,3 +235,42 @@ def test_memory_errors_are_one_line(tmp_path, args, fragment):
     with pytest.raises(UserError) as info:
         train_here(tmp_path, "err", *TINY, "data.size=40", *args)
     assert_one_line_user_error(info.value, fragment)
+
+
+TOKEN_MODEL = '''
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    """Per-token logits from an embedding: next to no compute per token."""
+    def __init__(self, vocab_size, num_classes):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab_size, 4), nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.head(self.embed(x)).transpose(1, 2)
+'''
+HOST_MEMORY = {
+    # 4,096 images of 3×96×96 (108 KiB each, generated per sample) in the big window: 432 MiB a held window would add.
+    "samples": ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.size=4100", "data.val_size=16",
+                "data.image_size=96", "data.channels=3"],
+    # 4,096 sequences of 1,024 tokens, counted per token: a loss kept per micro-batch would add ~400 MiB.
+    "tokens": ["data=sequences", "data.size=4100", "data.val_size=16", "data.min_length=1024",
+               "data.max_length=1024", "model=custom", "model._target_=tokmodel.Net", "loss.normalize=tokens"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("terms", ["samples", "tokens"])
+def test_host_memory_holds_one_micro_batch_whatever_the_window(tmp_path, terms):
+    """The host's peak over one optimizer step (peak_mem_mb: the process's resident set) with a window of 4,096
+    samples stays within 1.15× that of a window of 64: no window's data, and no per-micro-batch tensor, is kept."""
+    (tmp_path / "tokmodel.py").write_text(TOKEN_MODEL)
+    peaks = {}
+    for global_batch in (64, 4096):
+        run_dir, _ = train_run(tmp_path, f"g{global_batch}", *HOST_MEMORY[terms], "micro_batch=8",
+                               f"global_batch={global_batch}", "trainer.max_steps=1", "trainer.progress=false")
+        (step,), _ = read_metrics(run_dir)
+        assert step["samples"] == global_batch
+        peaks[global_batch] = step["peak_mem_mb"]
+    assert peaks[4096] <= 1.15 * peaks[64], peaks

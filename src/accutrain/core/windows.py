@@ -70,6 +70,7 @@ class WindowSampler(Sampler[MicroBatch]):
                  ) -> None:
         self.plan, self.seed, self.rank, self.world, self.mixer = plan, seed, rank, world, mixer
         self.epoch, self.start = 0, 0
+        self._orders: dict[int, tuple[torch.Tensor, list[int]]] = {}  # epoch → (permutation, its windows' starts)
 
     def set_epoch(self, epoch: int, start_window: int = 0) -> None:
         """Select the epoch (and the window to begin at, for resuming) that the next iteration visits."""
@@ -77,21 +78,51 @@ class WindowSampler(Sampler[MicroBatch]):
 
     def windows(self) -> Iterator[list[MicroBatch]]:
         """This rank's micro-batches of each window of the epoch, from the start window on."""
-        order = epoch_order(self.plan.train_size, self.seed, self.epoch)
-        sizes = self.plan.window_sizes(self.epoch)
-        seen, start = self.plan.seen_before(self.epoch), sum(sizes[: self.start])
-        for index in range(self.start, len(sizes)):
-            samples = order[start : start + sizes[index]].tolist()
+        order, starts = self.order(self.epoch)
+        seen = self.plan.seen_before(self.epoch)
+        for index in range(self.start, len(starts) - 1):
+            samples = order[starts[index] : starts[index + 1]].tolist()
             share = rank_share(samples, self.plan.micro_batch, self.rank, self.world)
             window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share),
-                            self.plan.batch_at(seen + start))
-            start += len(samples)
-            if self.mixer is None:
-                yield [MicroBatch(indices, window) for indices in share]
-            else:  # the whole window's draws, cut like its samples: every rank knows every partner
-                mixes = rank_share(self.mixer.plan(self.epoch, index, samples), self.plan.micro_batch, self.rank,
-                                   self.world)
-                yield [MicroBatch(indices, window, mix) for indices, mix in zip(share, mixes)]
+                            self.plan.batch_at(seen + starts[index]))
+            yield self.cut(window, samples, share)
+
+    def cut(self, window: Window, samples: list[int], share: list[list[int]]) -> list[MicroBatch]:
+        """This rank's `share` of the window's `samples` as micro-batches, with their mixes."""
+        if self.mixer is None:
+            return [MicroBatch(indices, window) for indices in share]
+        # the whole window's draws, cut like its samples: every rank knows every partner
+        mixes = rank_share(self.mixer.plan(window.epoch, window.index, samples), self.plan.micro_batch, self.rank,
+                           self.world)
+        return [MicroBatch(indices, window, mix) for indices, mix in zip(share, mixes)]
+
+    def order(self, epoch: int) -> tuple[torch.Tensor, list[int]]:
+        """The epoch's permutation and where each of its windows starts in it (and where the last ends), kept for
+        the epoch the loop is in and the one a loader reading ahead may have begun."""
+        if epoch not in self._orders:
+            for old in sorted(self._orders)[: max(0, len(self._orders) - 1)]:
+                del self._orders[old]
+            starts = [0]
+            for size in self.plan.window_sizes(epoch):
+                starts.append(starts[-1] + size)
+            self._orders[epoch] = (epoch_order(self.plan.train_size, self.seed, epoch), starts)
+        return self._orders[epoch]
+
+    def samples_of(self, window: Window) -> list[int]:
+        """The window's samples on every rank, in order (each rank's share is cut from this list)."""
+        order, starts = self.order(window.epoch)
+        return order[starts[window.index] : starts[window.index + 1]].tolist()
+
+    def micro_batches_of(self, window: Window) -> list[MicroBatch]:
+        """This rank's micro-batches of `window` again, as windows() gave them: the same samples and mixes (a window is
+        a function of the seed, its epoch and its index), to read a window anew instead of keeping it."""
+        samples = self.samples_of(window)
+        return self.cut(window, samples, rank_share(samples, self.plan.micro_batch, self.rank, self.world))
+
+    def share_of(self, window: Window) -> list[int]:
+        """This rank's samples of `window`."""
+        samples = self.samples_of(window)
+        return [i for indices in rank_share(samples, self.plan.micro_batch, self.rank, self.world) for i in indices]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro_batches in self.windows():

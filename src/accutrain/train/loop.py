@@ -1,7 +1,8 @@
 """The loop: windows → accumulate → one optimizer step → record, evaluate, checkpoint.
 
 Per window: |W| is known before the first backward (the sampler counts samples; element-normalised losses count
-their elements across ranks first); each micro-batch backpropagates its summed loss × world / |W| (step.py);
+their samples' elements, kept per sample, summed over ranks); each micro-batch backpropagates its summed loss ×
+world / |W| (core/step.py); memory holds one micro-batch at a time, on the host too;
 then, once per window: gradients back from their buffers, AMP unscale, the global norm (clipped if asked), one
 small all-reduce of the loss and the stop votes, one optimizer and scheduler step, zero_grad, the record. The host
 waits for the device once per window (`settle`), never per micro-batch.
@@ -22,6 +23,7 @@ from accutrain.core import lr_scaling, memory
 from accutrain.core.precision import found_inf_and_update
 from accutrain.core.progress import Progress
 from accutrain.core.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
+from accutrain.core.terms import TermCounts
 from accutrain.core.windows import Window, windows_of
 from accutrain.errors import NonFinite, UserError
 from accutrain.models import norms, pitfalls
@@ -52,6 +54,7 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
     plan, trainer = parts.plan, parts.trainer
     params = [param for param in parts.model.parameters() if param.requires_grad]
     record = StepLog(parts, metrics, progress)
+    counts = TermCounts(parts.loader.dataset, parts.sampler, parts.loss) if parts.loss.elements else None
     parts.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check)
     if parts.buffers:
         parts.buffers.clear()
@@ -59,11 +62,11 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
         parts.sampler.set_epoch(epoch, start_window=progress.window)
         for window, batches in windows_of(parts.loader):
             record.start()
-            terms, batches = window_terms(parts, window, batches)  # |W|: the window's samples (or elements), all ranks
-            losses = accumulate_window(parts, progress, window, batches, terms)  # forward+backward per micro-batch
+            terms = window_terms(parts, window, counts)  # |W|: the window's samples (or elements), all ranks
+            loss_sum = accumulate_window(parts, progress, window, batches, terms)  # forward+backward per micro-batch
             if parts.buffers:
                 parts.buffers.release()  # the window's summed gradients back into .grad
-            settled = settle(parts, params, trainer.grad_clip, losses, stop)  # unscale, norm, clip, all-reduce: 1 sync
+            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop)  # unscale, norm, clip, all-reduce
             lr_factor = parts.lr_scaling.factor(window.batch)
             loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * lr_factor
             skipped = optimizer_step(parts, loss, settled, lr_factor, progress)
@@ -88,13 +91,12 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
     return outcome(record, progress, None, None)
 
 
-def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], losses: torch.Tensor,
+def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], loss_sum: torch.Tensor,
            stop: StopRequest) -> Settled:
     """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
-    update do, without step's wait: precision.found_inf_and_update),
-    the global norm (clipped if asked), and with several ranks one all-reduce of the loss and the stop votes; then
-    the host reads it all as one small tensor (`losses`, this rank's micro-batch loss sums, included) — the step's
-    only synchronisation."""
+    update do, without step's wait: precision.found_inf_and_update), the global norm (clipped if asked), and with
+    several ranks one all-reduce of the loss and the stop votes; then the host reads it all as one small tensor
+    (`loss_sum`, this rank's summed loss, included) — the step's only synchronisation."""
     device, scaler = parts.device, parts.precision.scaler
     if scaler:
         scaler.unscale_(parts.optimizer)  # before the norm and clipping
@@ -103,17 +105,13 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
         found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
         figures.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
     stopping = stop.signum is not None
-    if parts.world.size > 1:  # every rank's loss and stop vote, summed: (loss, votes)
-        losses = dist.all_reduce_sum(torch.stack([losses.sum(dtype=torch.float64), torch.tensor(
-            float(stopping), dtype=torch.float64, device=device)]), parts.world)
-    values = torch.cat([losses, torch.stack(list(figures.values()))]).tolist()  # the one wait; exact in float64
-    read = dict(zip(figures, values[len(losses):]))
-    if parts.world.size > 1:
-        loss_sum, stopping = values[0], values[1] > 0
-    else:
-        loss_sum = sum(values[:len(losses)])  # the micro-batches' sums, added in float64
-    return Settled(loss_sum=loss_sum, norm=read["norm"], stop=stopping,
-                   overflow=read.get("found_inf", 0.0) > 0, scale=read.get("scale"))
+    head = torch.stack([loss_sum, torch.tensor(float(stopping), dtype=torch.float64, device=device)])
+    if parts.world.size > 1:  # every rank's loss and stop vote, summed
+        head = dist.all_reduce_sum(head, parts.world)
+    values = torch.cat([head, torch.stack(list(figures.values())).double()]).tolist()  # the one wait
+    read = dict(zip(figures, values[2:]))
+    return Settled(loss_sum=values[0], norm=read["norm"], stop=values[1] > 0, overflow=read.get("found_inf", 0.0) > 0,
+                   scale=read.get("scale"))
 
 
 def outcome(record: StepLog, progress: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
@@ -123,33 +121,37 @@ def outcome(record: StepLog, progress: Progress, stopped_by: Optional[str], chec
                    record.tokens if record.elements else None)
 
 
-def window_terms(parts: Components, window: Window, batches: Iterator[Any]) -> tuple[int, Iterable[Any]]:
-    """(|W|, the window's batches): the loss terms on every rank, known before the first backward — its samples
-    (from the sampler; the batches are then still to be loaded), or (loss.normalize=elements) its elements whose
-    target is not ignore_index, counted in the loaded batches and summed over ranks."""
-    if not parts.loss.elements:
-        return window.size, batches
-    loaded = list(batches)  # counted on the host, where the loader left them: no wait for the device
-    terms = parts.loss.terms(loaded)
+def window_terms(parts: Components, window: Window, counts: Optional[TermCounts]) -> int:
+    """|W|, the loss terms on every rank, known before the first backward and before any of the window is loaded:
+    its samples (from the sampler), or (loss.normalize=elements) its elements whose target is not ignore_index,
+    from each sample's kept count (core/terms.py), summed over ranks."""
+    if counts is None:
+        return window.size
+    terms = counts(window)
     if parts.world.size > 1:
         terms = int(dist.all_reduce_sum(torch.tensor(terms, device=parts.device), parts.world).item())
     if terms == 0:
         raise UserError(f"window {window.index} has no element to learn from: every target equals "
                         f"loss.ignore_index={parts.loss.ignore_index}")
-    return terms, loaded
+    return terms
 
 
 def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int
                       ) -> torch.Tensor:
     """accumulate() the window's micro-batches, each cut into progress.oom_parts; after an out-of-memory, the window
-    again from its first micro-batch (those already loaded are kept for that), cut into twice as many."""
-    batches, loaded = iter(batches), []
+    again from its first micro-batch, cut into twice as many: those the loader gave already are read anew from the
+    sampler (the same samples, views and mixes: a window is a function of the seed, its epoch and its index), so no
+    micro-batch is kept for a replay."""
+    batches, taken = iter(batches), 0
 
     def micro_batches() -> Iterator[Any]:
+        nonlocal taken
         cuts = progress.oom_parts
-        yield from cut_micro_batches(loaded, cuts)
+        if taken:  # a retry: the micro-batches the loader gave before the out-of-memory, one at a time
+            again = parts.sampler.micro_batches_of(window)[:taken]
+            yield from cut_micro_batches((parts.loader.dataset.__getitems__(m)[1] for m in again), cuts)
         for batch in batches:
-            loaded.append(batch)
+            taken += 1
             if cuts == 1:
                 yield batch
             else:
