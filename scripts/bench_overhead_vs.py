@@ -39,9 +39,11 @@ def import_revision(rev: str, into: Path) -> str:
     package = into / "accutrain_at_rev"
     (into / "src" / "accutrain").rename(package)
     (into / "configs").rename(package / "configs")
-    for path in package.rglob("*.py"):
-        text = path.read_text()
-        path.write_text(re.sub(r"\b(from|import) accutrain\b(?=[. ])", r"\1 accutrain_at_rev", text))
+    for path in package.rglob("*.py"):  # imports, and the `_target_` paths its schemas name
+        text = re.sub(r"\b(from|import) accutrain\b(?=[. ])", r"\1 accutrain_at_rev", path.read_text())
+        path.write_text(re.sub(r"([\"'])accutrain\.", r"\1accutrain_at_rev.", text))
+    for path in (package / "configs").rglob("*.yaml"):
+        path.write_text(re.sub(r"(_target_: )accutrain\.", r"\1accutrain_at_rev.", path.read_text()))
     sys.path.insert(0, str(into))
     return "accutrain_at_rev"
 
