@@ -1,9 +1,13 @@
 """Preemption: the first of the preemption signals (`trainer.preempt_signals`: SIGTERM, SIGINT, SIGUSR1, SIGUSR2 by
-default) asks the loop to stop after the current optimizer step and checkpoint; a second SIGINT stops at once."""
+default) asks the loop to stop after the current optimizer step and checkpoint; a second SIGINT stops at once. And
+the parent-death signal that ends a rank whose command was killed outright."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
+import sys
 from types import FrameType
 from typing import Any, Callable, Iterable, Optional
 
@@ -50,3 +54,20 @@ class StopRequest:
     def __exit__(self, *exc: Any) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+def die_with_parent() -> None:
+    """Linux: this process is killed (SIGKILL) when the one that started it exits — a rank when the fork server that
+    forked it does, the fork server when the command does — so that a command killed outright (SIGKILL, the OOM
+    killer) leaves no rank training on, writing its run directory and holding its device. Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # no libc's prctl here
+        return
+    if os.getppid() != parent:  # the parent exited before the request took effect
+        os._exit(128 + signal.SIGKILL)

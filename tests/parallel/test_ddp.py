@@ -1,14 +1,16 @@
 """Several devices, for real: 2 gloo processes on the CPU, through the real CLI (spawned and under torchrun)."""
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from accutrain.errors import UserError
 from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, run_cli, train_here, train_run)
+                      final_weights, read_metrics, run_cli, start, train_here, train_run, wait_for_steps)
 
 # 117 samples = 3 windows of 32 + one of 21. With devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0: in the
 # last micro-step rank 0 has 5 samples and rank 1 none, and the all-reduce must neither hang nor be biased.
@@ -138,3 +140,43 @@ def test_workers_start_from_the_fork_server_with_the_environment_of_the_moment(m
     assert spawn(2, rank_environment, ("ACCUTRAIN_TEST_PROBE",), None) == (0, "first", "0")
     monkeypatch.setenv("ACCUTRAIN_TEST_PROBE", "second")  # the server is running now
     assert spawn(2, rank_environment, ("ACCUTRAIN_TEST_PROBE",), None) == (0, "second", "0")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (Linux: /proc/<pid>/task/*/children)."""
+    found: set[int] = set()
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = {int(c) for c in children.read_text().split()}
+        except OSError:
+            continue
+        for kid in kids:
+            found |= {kid} | descendants(kid)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the workers' parent-death signal is Linux's")
+def test_a_command_killed_outright_leaves_no_rank_training(tmp_path):
+    """SIGKILL the command mid-run: its ranks die with it (they would go on training, writing the run directory
+    and holding their devices), so metrics.jsonl stops growing."""
+    proc = start(tmp_path, "run", *TINY, "devices=2", "micro_batch=4", "accum=2", "trainer.epochs=100000")
+    wait_for_steps(tmp_path / "run", 3, proc)
+    below = descendants(proc.pid)
+    assert len(below) >= 2, below  # the fork server and the ranks (at least the ranks)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in below):
+        time.sleep(0.1)
+    assert not [p for p in below if alive(p)], "ranks outlived the command"
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    size = metrics.stat().st_size
+    time.sleep(1.0)
+    assert metrics.stat().st_size == size

@@ -1,4 +1,5 @@
 """Never lose a run: exact resume after SIGKILL/SIGTERM, safe loading, the non-finite policies, bad input."""
+import json
 import os
 import random
 import shlex
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from accutrain.errors import UserError
+from accutrain.store import files
+from accutrain.train.resume import keep_metrics_until
 from conftest import (NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, assert_identical, assert_one_line_error,
                       assert_one_line_user_error, cli_command, final_weights, read_metrics, run_cli, start, train_here,
                       train_run, wait_for_steps)
@@ -279,3 +282,22 @@ def test_an_unwritable_output_directory_is_one_line(tmp_path):
     proc = run_cli(*TINY, cwd=tmp_path, check=False)
     assert proc.returncode == 2
     assert_one_line_error(proc, "cannot create the output directory outputs")
+
+
+def test_a_kill_while_a_resume_trims_metrics_leaves_the_history_whole(tmp_path, monkeypatch):
+    """keep_metrics_until replaces metrics.jsonl whole: killed before the new file is in place (here: at the rename),
+    the history is as it was — it used to be truncated first and written again."""
+    path = tmp_path / "metrics.jsonl"
+    history = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 101)) + '{"step": 101, "lo'
+    path.write_text(history)
+
+    def killed(*args):
+        raise KeyboardInterrupt  # the process dies before the trimmed file replaces the old one
+
+    monkeypatch.setattr(files.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        keep_metrics_until(path, 50)
+    assert path.read_text() == history and [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    monkeypatch.undo()
+    keep_metrics_until(path, 50)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 51))

@@ -22,7 +22,7 @@ from accutrain.dist import World, count_devices, leave_process_group, resolve_de
 from accutrain.errors import Preempted, UserError
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
-from accutrain.signals import SIGNALS, StopRequest, signal_numbers
+from accutrain.signals import SIGNALS, StopRequest, die_with_parent, signal_numbers
 from accutrain.train.loop import Outcome
 
 log = logging.getLogger("accutrain")
@@ -135,6 +135,7 @@ class _Job:
 
 
 def _worker(local_rank: int, job: _Job) -> None:
+    die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
         os.environ.clear()
         os.environ.update(job.environ)
@@ -166,7 +167,8 @@ def start_method() -> str:
         return "spawn"
     # torch._dynamo too: every rank imports it anyway (≈ 2 s), at its optimizer's first call of a function PyTorch
     # keeps out of compiled graphs (torch._disable_dynamo imports it then); importing starts no thread, touches no GPU
-    multiprocessing.get_context("forkserver").set_forkserver_preload([__name__, "torch._dynamo"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["accutrain.run.forkserver", __name__,
+                                                                      "torch._dynamo"])
     return "forkserver"
 
 

@@ -18,6 +18,7 @@ from accutrain.parallel.state_dicts import write_sharded
 from accutrain.run.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import checkpoint
+from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
 from accutrain.trackers import Trackers
 from accutrain.train import check
@@ -52,7 +53,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     progress = restore(c, resume_from) if resume_from else Progress()
     save = Checkpoints(c, run_dir / "checkpoints", trackers)
     if world.main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         if resume_from:
             keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
         else:  # from scratch: what a run before it here logged (resume=auto found no checkpoint) is not this run's

@@ -14,7 +14,7 @@ from accutrain.core.progress import Progress
 from accutrain.errors import UserError
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint
-from accutrain.store.files import read_jsonl
+from accutrain.store.files import read_jsonl, write_atomic
 from accutrain.train.components import Components
 
 log = logging.getLogger("accutrain")
@@ -133,8 +133,9 @@ def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: Dic
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """Drop what a killed run logged after its checkpoint (and a half-written last line) before resuming there."""
+    """Drop what a killed run logged after its checkpoint (and a half-written last line) before resuming there; the
+    file is replaced whole (write_atomic), so a kill during the trim leaves the history as it was."""
     if path.is_file():
         kept = [line for line, record in read_jsonl(path) if record.get("step", 0) <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        write_atomic(path, "".join(line + "\n" for line in kept), durable=True)
 
