@@ -13,8 +13,8 @@ import torch
 from accutrain.cli.command import check
 from accutrain.errors import UserError
 from accutrain.store import checkpoint, rundir
-from conftest import (ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics, train_here,
-                      train_run)
+from conftest import (ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics, run_cli,
+                      train_here, train_run)
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=3", "trainer.checkpoint_every=1"]
 
@@ -193,3 +193,20 @@ def test_last_pt_failing_leaves_no_temporary_file(tmp_path, monkeypatch):
         rotation.save({"step": 2}, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "step-00000001.pt", "step-00000002.pt"]
     assert torch.load(tmp_path / "last.pt", weights_only=True) == {"step": 1}
+
+
+@pytest.mark.slow
+def test_a_directory_another_run_holds_is_refused_and_left_alone(tmp_path):
+    """While a run holds its directory (from before it looks for an earlier run there to its end), a second
+    `resume=auto` into it is refused in one line (exit 2) and writes nothing of its own: two resumes started at the
+    same moment used to both pass the check before either recorded itself running, and both trained."""
+    run_dir, _ = train_run(tmp_path, "run", *TINY, "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    before = {name: (run_dir / name).read_bytes() for name in ("status.json", "metrics.jsonl")}
+    with rundir.held(run_dir):  # as the run that got there first holds it
+        proc = run_cli(*TINY, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                       check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line_error(proc, f"{run_dir} (hydra.run.dir) is in use: another accutrain is running in it")
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    _, proc = train_run(tmp_path, "run", *TINY, "trainer.max_steps=8", "resume=auto")  # free again: it resumes
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == list(range(1, 9))

@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,6 +37,11 @@ def torchrun_secondary() -> bool:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _train(cfg: DictConfig) -> Optional[float]:
+    with ExitStack() as holds:  # the run directory's hold (rundir.held) ends with the job, however it ends
+        return _job(cfg, holds)
+
+
+def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
     """One run; returns the best value of the monitored metric (trainer.monitor), what a searching sweeper (Optuna)
     optimises. Everything that can be checked is checked before the run directory is touched. A single run ends a
     user error with exit 2; in a multirun a failing job (user error or crash) is recorded as failed in its
@@ -53,15 +58,19 @@ def _train(cfg: DictConfig) -> Optional[float]:
     if cfg.resume is None and (read_status(run_dir) or {}).get("state") == "requeued":
         log.info(f"this job was requeued after a preemption: resuming from the newest checkpoint of {run_dir}")
         cfg.resume = "auto"
+    in_use = False  # another run holds the directory: nothing of its may be written
     try:  # a single run's values and ranks were checked before Hydra ran (command.check); a sweep's job's here
         ranks = command.checked if command.checked is not None and not multirun else preflight(cfg)
         if primary:
+            in_use = True
+            holds.enter_context(rundir.held(run_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir"))
+            in_use = False
             rundir.prepare(run_dir, cfg)
     except UserError as e:
         log.error(one_line(e))
         if multirun:  # recorded in the job's status.json, unless that is an earlier run's
             SweepSummary.failed_here += 1
-            if primary and rundir.earlier_run(run_dir) is None:
+            if primary and not in_use and rundir.earlier_run(run_dir) is None:
                 write_status(run_dir, "failed", one_line(e))
             return None
         sys.exit(2)

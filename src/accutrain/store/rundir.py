@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from omegaconf import DictConfig
 
@@ -116,6 +117,34 @@ def clear(run_dir: Path) -> list[str]:
         os.truncate(log, 0)
         removed.append("train.log (emptied)")
     return removed
+
+
+LOCK_FILE = ".lock"
+
+
+@contextmanager
+def held(run_dir: Path, key: str = "hydra.run.dir") -> Iterator[None]:
+    """This run's hold on run_dir, from before it looks for an earlier run there to its end: a second accutrain
+    started into the same directory meanwhile (two resume=auto at the same moment) is refused in one line, where the
+    check and the `running` record would let both through. The hold is the kernel's lock (flock) on run_dir/.lock:
+    it ends with the process, however the process ends. Where there is no flock (Windows), nothing is held."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"{run_dir} ({key}) is in use: another accutrain is running in it right now; wait for it to "
+                        "end, or choose another directory") from None
+    try:
+        yield
+    finally:
+        os.close(fd)  # the lock goes with the descriptor
 
 
 def prepare(run_dir: Path, cfg: DictConfig, log_file: Optional[Path] = None) -> None:
