@@ -82,18 +82,21 @@ class WindowSampler(Sampler[MicroBatch]):
         seen = self.plan.seen_before(self.epoch)
         for index in range(self.start, len(starts) - 1):
             samples = order[starts[index] : starts[index + 1]].tolist()
-            share = rank_share(samples, self.plan.micro_batch, self.rank, self.world)
+            share = self.share(samples)
             window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share),
                             self.plan.batch_at(seen + starts[index]))
             yield self.cut(window, samples, share)
+
+    def share(self, items: list[Any]) -> list[list[Any]]:
+        """This rank's micro-batches of a window's `items` (its samples, or their mixes: cut alike)."""
+        return rank_share(items, self.plan.micro_batch, self.rank, self.world)
 
     def cut(self, window: Window, samples: list[int], share: list[list[int]]) -> list[MicroBatch]:
         """This rank's `share` of the window's `samples` as micro-batches, with their mixes."""
         if self.mixer is None:
             return [MicroBatch(indices, window) for indices in share]
         # the whole window's draws, cut like its samples: every rank knows every partner
-        mixes = rank_share(self.mixer.plan(window.epoch, window.index, samples), self.plan.micro_batch, self.rank,
-                           self.world)
+        mixes = self.share(self.mixer.plan(window.epoch, window.index, samples))
         return [MicroBatch(indices, window, mix) for indices, mix in zip(share, mixes)]
 
     def order(self, epoch: int) -> tuple[torch.Tensor, list[int]]:
@@ -117,12 +120,11 @@ class WindowSampler(Sampler[MicroBatch]):
         """This rank's micro-batches of `window` again, as windows() gave them: the same samples and mixes (a window is
         a function of the seed, its epoch and its index), to read a window anew instead of keeping it."""
         samples = self.samples_of(window)
-        return self.cut(window, samples, rank_share(samples, self.plan.micro_batch, self.rank, self.world))
+        return self.cut(window, samples, self.share(samples))
 
     def share_of(self, window: Window) -> list[int]:
         """This rank's samples of `window`."""
-        samples = self.samples_of(window)
-        return [i for indices in rank_share(samples, self.plan.micro_batch, self.rank, self.world) for i in indices]
+        return [i for indices in self.share(self.samples_of(window)) for i in indices]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         for micro_batches in self.windows():
