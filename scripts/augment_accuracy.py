@@ -83,7 +83,7 @@ def main() -> None:
     print(f"$ python scripts/augment_accuracy.py {' '.join(sys.argv[1:])}".rstrip())
     with tempfile.TemporaryDirectory() as tmp:
         root = make_shapes(Path(tmp) / "shapes", args.train, args.val)
-        common = ["data=imagefolder", f"data.root={root}", f"data.image_size={args.size}", "data.num_workers=0",
+        common = ["data=imagefolder", f"data.root={root}", f"data.image_size={args.size}", "loader.num_workers=0",
                   "model=cnn", "model.channels=[16,32]", "optim=adamw", "optim.lr=3e-3",
                   f"trainer.epochs={args.epochs}", "trainer.progress=false", "trainer.log_every=1000"]
         print(f"{args.train} training / {args.val} held-out images per class, 4 classes, {args.size} px, model=cnn, "

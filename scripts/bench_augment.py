@@ -67,7 +67,7 @@ VARIANTS = {
 
 def loader_for(name: str, size: int, workers: int, micro_batch: int):
     cfg = compose("model=mlp", "model.hidden=[16]", "data=custom", "data._target_=bench_augment.cifar_like",
-                  f"+data.size={size}", f"data.num_workers={workers}",
+                  f"+data.size={size}", f"loader.num_workers={workers}",
                   f"micro_batch={micro_batch}", "trainer.progress=false", *VARIANTS[name])
     c = build(cfg, World(), torch.device("cpu"))
     if name == "unseeded":
@@ -89,13 +89,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--size", type=int, default=2048, help="training images (3×32×32)")
-    parser.add_argument("--workers", type=int, default=0, help="data.num_workers")
+    parser.add_argument("--workers", type=int, default=0, help="loader.num_workers")
     parser.add_argument("--micro-batch", type=int, default=128)
     args = parser.parse_args()
     print(f"$ python scripts/bench_augment.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.size} images 3×32×32, micro_batch {args.micro_batch}, "
-          f"data.num_workers={args.workers}")
+          f"loader.num_workers={args.workers}")
     loaders = {name: loader_for(name, args.size, args.workers, args.micro_batch) for name in VARIANTS}
     for c in loaders.values():
         epoch_rate(c)  # warm-up: workers started, caches filled

@@ -92,7 +92,7 @@ for step in $STEPS; do
             run_step tests $PY -m pytest -m cuda -n 0 -p no:cacheprovider -rA --junitxml="$OUT/cuda-tests.xml" ;;
         smoke)
             run_step smoke bash -c "set -e; cd '$OUT' && $PY -m accutrain trainer.device=cuda hydra.run.dir=smoke_run \
-                && $PY -c 'from accutrain.cli.main import check_main; check_main()' trainer.device=cuda model.norm=group" ;;
+                && $PY -c 'from accutrain.cli.main import check_main; check_main()' trainer.device=cuda batchnorm.convert=group" ;;
         memory)
             run_step memory $PY scripts/bench_memory.py --steps 12 --out "$OUT/memory_gpu.png" ;;
         overhead)

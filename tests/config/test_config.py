@@ -84,7 +84,7 @@ def test_synthetic_seed_follows_the_run_seed_unless_set(compose):
                        "keys of your own need model=custom"]),
     (["trainer.epochs=abc"], ["trainer.epochs=abc is not valid: expected an integer or null"]),
     (["trainer.last_window=keep"], ["trainer.last_window=keep is not valid: expected one of step, drop"]),
-    (["optim.lr_scaling=cubic"], ["optim.lr_scaling=cubic is not valid: expected one of none, linear, sqrt"]),
+    (["scaling.lr=cubic"], ["scaling.lr=cubic is not valid: expected one of none, linear, sqrt"]),
     (["model=nosuch"], ["model=nosuch: model has no option 'nosuch'; the options are: char_lm, cnn,", "custom"]),
     (["+trainer.epoch=3"], ["+trainer.epoch=3: trainer has no key 'epoch' (did you mean trainer.epochs?)"]),
     (["+loss.normalise=tokens"], ["+loss.normalise=tokens: loss has no key 'normalise'",

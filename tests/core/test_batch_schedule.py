@@ -72,7 +72,7 @@ def test_two_ranks_take_the_same_steps_under_a_schedule(tmp_path):
 
 def test_the_learning_rate_follows_each_windows_batch(tmp_path):
     run_dir, log = train_here(tmp_path, "run", *SCHEDULED, "micro_batch=8", "sched=constant", "optim.lr=0.05",
-                              "optim.lr_scaling=linear", "optim.base_batch=16")
+                              "scaling.lr=linear", "scaling.base_batch=16")
     steps = read_metrics(run_dir)[0]
     assert [r["lr"] for r in steps] == pytest.approx([0.05 * r["effective"] / 16 for r in steps], rel=1e-12)
     assert "batch schedule (linear ramp): 16 from sample 0, 64 from sample 176" in log

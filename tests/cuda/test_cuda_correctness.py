@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accutrain import dist
-from accutrain.config.targets import factory
+from accutrain.config.targets import instantiate
 from accutrain.config.train import compose as compose_config
 from accutrain.core import grad_buffers
 from accutrain.core.grad_buffers import GradBuffers
@@ -246,14 +246,14 @@ def test_check_runs_on_a_syncbatchnorm_model_in_one_rank_alone(bn_model, one_ran
 
 def test_check_takes_syncbatchnorm_statistics_over_every_devices_micro_batch(bn_model):
     args = [*BN, "devices=2", "micro_batch=8", "accum=1"]
-    synced = run_check(components_for_check(cfg_of(*args, "+model.sync_batchnorm=true")))
+    synced = run_check(components_for_check(cfg_of(*args, "batchnorm.sync=true")))
     assert synced.faithful  # SyncBatchNorm over 2 × 8 = the window: exact
     assert not run_check(components_for_check(cfg_of(*args))).faithful
 
 
 def test_frozen_batchnorm_stays_frozen_under_sync_batchnorm(bn_model, one_rank_group,
                                                             ddp_takes_syncbatchnorm_on_the_cpu):
-    c = build(cfg_of(*BN, "micro_batch=8", "accum=2", "+model.norm=frozen", "+model.sync_batchnorm=true"),
+    c = build(cfg_of(*BN, "micro_batch=8", "accum=2", "batchnorm.convert=frozen", "batchnorm.sync=true"),
               World(0, 2, 0), CPU)
     c.model.train()
     layers = norms.batchnorm_layers(c.model)
@@ -272,7 +272,7 @@ def test_the_search_runs_before_syncbatchnorm(bn_model, one_rank_group, ddp_take
 
     monkeypatch.setattr(build_module, "auto_micro_batch", spy)
     c = build(cfg_of(*BN, "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000",
-                     "+model.sync_batchnorm=true", "+model.limit=4"), World(0, 2, 0), CPU)
+                     "batchnorm.sync=true", "+model.limit=4"), World(0, 2, 0), CPU)
     assert seen == [False] and c.plan.micro_batch == 4  # no trial ran a collective
     assert sum(isinstance(m, nn.SyncBatchNorm) for m in c.model.modules()) == 2
 
@@ -373,10 +373,9 @@ def test_every_rank_follows_rank_zeros_cache_answer(tmp_path, monkeypatch, rank0
     monkeypatch.setattr(dist, "broadcast_from_main", lambda obj, world: rank0_cached)
     monkeypatch.setattr(dist, "all_reduce_min", lambda t, world: joined.append(int(t)) or t)
     cfg = cfg_of(*TINY, "data.size=64", "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000")
-    make_data, data_kwargs = factory("data", cfg.data)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
     found = auto_batch.auto_micro_batch(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                        make_precision("32", CPU), make_data(**data_kwargs), CPU, World(1, 2, 1),
+                                        make_precision("32", CPU), instantiate("data", cfg.data), CPU, World(1, 2, 1),
                                         make_loss(Normalize.samples, -100), tmp_path)
     if rank0_cached is None:  # rank 0 searches: so does this rank, and it joins the all-reduce of the answers
         assert found == 16 and joined == [16]

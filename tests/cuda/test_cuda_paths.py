@@ -109,7 +109,7 @@ def test_the_out_of_memory_resplit_on_cuda_gives_the_same_weights(tmp_path):
     to the 32 × 2 run as another exact split (4 × 16) is: float32 sums over 128² pixels in other orders, and
     cuDNN's algorithms under memory pressure, differ by ~1e-4."""
     args = [*TINY_DATA, "model=resnet18", "data.image_size=128", "data.size=64", *GPU, "trainer.max_steps=2",
-            "model.norm=group"]
+            "batchnorm.convert=group"]
     with full_float32():  # TF32 convolutions (cuDNN's default) would differ by more than the re-split's rounding
         halves, _ = train_here(tmp_path, "halves", *args, "micro_batch=32", "accum=2")
         quarters, _ = train_here(tmp_path, "quarters", *args, "micro_batch=4", "accum=16")
@@ -131,7 +131,7 @@ def test_the_out_of_memory_resplit_on_cuda_gives_the_same_weights(tmp_path):
 
 
 def test_activation_checkpointing_on_cuda_saves_memory_and_changes_nothing(tmp_path):
-    args = [*TINY_DATA, "model=resnet18", "model.norm=group", "data.image_size=64", "data.size=64", *GPU,
+    args = [*TINY_DATA, "model=resnet18", "batchnorm.convert=group", "data.image_size=64", "data.size=64", *GPU,
             "micro_batch=32", "accum=2", "trainer.max_steps=2"]
     plain, _ = train_here(tmp_path, "plain", *args)
     ckpt, log = train_here(tmp_path, "ckpt", *args, "trainer.activation_checkpointing=true")

@@ -1,5 +1,5 @@
 """Augmentation that keeps the promise: per-sample views from (seed, epoch, sample), MixUp/CutMix over the window,
-label smoothing — the same run under any micro_batch, accum, devices or data.num_workers."""
+label smoothing — the same run under any micro_batch, accum, devices or loader.num_workers."""
 import random
 import signal
 
@@ -33,7 +33,7 @@ RECIPES = {
                                        "augment.mix_mode=sample", "augment.mix_prob=0.8", "loss.label_smoothing=0.1"],
 }
 SEQ = ["data=sequences", "data.size=40", "data.val_size=8", "data.max_length=8", "model=char_lm", "trainer.epochs=1"]
-SPLITS = {"accum": ["micro_batch=8", "accum=4"], "workers": ["micro_batch=8", "accum=4", "data.num_workers=2"],
+SPLITS = {"accum": ["micro_batch=8", "accum=4"], "workers": ["micro_batch=8", "accum=4", "loader.num_workers=2"],
           "devices": ["devices=2", "micro_batch=8", "accum=2"]}
 
 
@@ -256,6 +256,6 @@ def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_c
     assert not torch.equal(seen.train.view(0, 0)[0], seen.train.view(1, 0)[0])
     run, _ = train_here(tmp_path, "folder", "data=imagefolder", f"data.root={root}", "data.image_size=8",
                         "model=cnn", "model.channels=[8]", "trainer.epochs=1", "micro_batch=4", "accum=2",
-                        "data.num_workers=0",
+                        "loader.num_workers=0",
                         "trainer.progress=false")
     assert read_metrics(run)[1]

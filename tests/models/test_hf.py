@@ -228,7 +228,7 @@ def test_mapping_batches_pad_per_micro_batch_and_split_consistently():
     assert [len(p) for p in parts] == [2, 1]
     assert torch.equal(parts[1].inputs["input_ids"], batch.inputs["input_ids"][2:])
     assert SummedLoss(True, -100).terms(parts) == 10 and SummedLoss(True, -100, True).terms(parts) == 7
-    with pytest.raises(UserError, match="data.target_key=target"):
+    with pytest.raises(UserError, match="loader.target_key=target"):
         BatchFormat(PadCollate({}), None, "target")(items)
 
 

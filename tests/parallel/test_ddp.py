@@ -82,8 +82,8 @@ def test_devices_auto_is_one_process_on_a_cpu_machine(tmp_path):
 def test_sync_batchnorm_on_the_cpu_is_refused_plainly(tmp_path):
     with pytest.raises(UserError) as info:
         train_here(tmp_path, "sbn", "debug=fast", "model=resnet18", "data.size=40", "devices=2",
-                   "model.sync_batchnorm=true", "trainer.max_steps=1")
-    assert_one_line_user_error(info.value, "model.sync_batchnorm=true needs CUDA")
+                   "batchnorm.sync=true", "trainer.max_steps=1")
+    assert_one_line_user_error(info.value, "batchnorm.sync=true needs CUDA")
 
 
 def test_multirun_jobs_launch_their_own_workers(tmp_path):

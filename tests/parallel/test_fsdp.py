@@ -139,7 +139,7 @@ def test_on_gpus_with_cpu_offload_fsdp_trains_as_one_plain_gpu(tmp_path, devices
     if torch.cuda.device_count() < devices:
         pytest.skip(f"needs {devices} GPUs")
     args = [*TINY, "data.size=117", "micro_batch=8", "trainer.max_steps=6", "optim=adamw", "trainer.grad_clip=0.5",
-            "trainer.ema=0.9", "trainer.device=cuda", "model.norm=group"]
+            "trainer.ema=0.9", "trainer.device=cuda", "batchnorm.convert=group"]
     plain, _ = train_here(tmp_path, "plain", *args, "accum=4")
     sharded, log = train_here(tmp_path, "sharded", *args, f"accum={4 // devices}", f"devices={devices}",
                               "strategy=fsdp", "strategy.wrap=[Linear]", "strategy.cpu_offload=true",
@@ -175,7 +175,7 @@ def test_a_checkpoint_from_before_optimizer_state_names_resumes_under_fsdp(tmp_p
     ("trainer.offload_grads=true", "trainer.offload_grads=true: use strategy.cpu_offload=true"),
     ("trainer.accum_dtype=float32", "trainer.accum_dtype=float32"),
     ("trainer.precision=16-mixed", "trainer.precision=16-mixed"),
-    ("model.sync_batchnorm=true", "model.sync_batchnorm=true"),
+    ("batchnorm.sync=true", "batchnorm.sync=true"),
     ("trainer.ema_device=cpu", "trainer.ema_device=cpu"),
 ])
 def test_what_fsdp_cannot_combine_with_is_one_line(compose, override, fragment):
@@ -206,7 +206,7 @@ def test_batchnorm_in_training_and_unknown_wrap_classes_are_refused(compose):
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
     with pytest.raises(UserError) as info:
         strategy.check_model(model, cfg)
-    assert_one_line_user_error(info.value, "strategy=fsdp with model.norm=keep", "model.norm=group")
+    assert_one_line_user_error(info.value, "strategy=fsdp with batchnorm.convert=keep", "batchnorm.convert=group")
     model.eval()
     strategy.check_model(model, cfg)  # frozen statistics are the same on every rank
     with pytest.raises(UserError) as info:

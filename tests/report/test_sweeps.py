@@ -170,7 +170,7 @@ def test_every_experiment_composes_and_sweeps_something(compose_with_hydra):
     memory = compose_with_hydra("+experiment=memory_sweep")
     assert memory.global_batch == 64 and memory.model.name == "resnet18"
     batch = compose_with_hydra("+experiment=batch_sweep")
-    assert batch.optim.lr_scaling.name == "linear" and batch.optim.base_batch == 32
+    assert batch.scaling.lr.name == "linear" and batch.scaling.base_batch == 32
 
 
 def test_sweep_summary_callback_is_configured(compose_with_hydra):

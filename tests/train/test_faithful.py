@@ -33,15 +33,15 @@ def test_check_verdicts_and_exit_codes(tmp_path, args, faithful):
     assert "overall" in proc.stdout
     if not faithful:
         assert "conv1" in proc.stdout
-        assert "20 BatchNorm layers in training mode" in proc.stdout and "model.norm=group" in proc.stdout
+        assert "20 BatchNorm layers in training mode" in proc.stdout and "batchnorm.convert=group" in proc.stdout
     assert not (tmp_path / "outputs").exists()  # a check writes no run directory
 
 
-@pytest.mark.parametrize("args", [["model=cnn"], ["model.norm=group"]])
+@pytest.mark.parametrize("args", [["model=cnn"], ["batchnorm.convert=group"]])
 def test_check_finds_models_without_batchnorm_faithful(compose, args):
     result = check(compose, *args, *DIGITS)
     assert result.faithful and "verdict: faithful" in "\n".join(result.lines())
-    if "model.norm=group" in args:
+    if "batchnorm.convert=group" in args:
         assert "conv1" in result.groups
 
 
@@ -164,7 +164,7 @@ def test_batchnorm_warning_appears_exactly_when_it_should(model, micro, accum, d
     warning = batchnorm_warning(net.train(), micro, micro * accum * devices, devices, sync)
     assert (warning is not None and "BatchNorm layers take their statistics over" in warning) is warned
     if warned:
-        assert "model.norm=group" in warning and "model.sync_batchnorm=true" in warning
+        assert "batchnorm.convert=group" in warning and "batchnorm.sync=true" in warning
 
 
 def test_norm_frozen_keeps_batchnorm_in_eval_mode_and_its_names():

@@ -131,7 +131,7 @@ def test_resume_with_a_loader_worker_after_an_evaluation_is_bit_identical(slow):
     """With persistent workers the held-out loader makes its iterator once per process: at the first evaluation of
     the uninterrupted run (step 4) but at the first one after the resume (step 8) of a run resumed at step 5. That
     iterator's worker seed must come from a generator of its own, not from the global RNG that dropout draws from."""
-    args = [*RUN, "data.num_workers=1"]
+    args = [*RUN, "loader.num_workers=1"]
     reference, _ = train_here(slow, "reference", *args)
     train_here(slow, "run", *args, "trainer.keep_checkpoints=20")
     rewind(slow / "run", 5)  # after the evaluation at the end of epoch 1, before the one of epoch 2
@@ -267,8 +267,8 @@ def test_a_corrupt_image_is_named(tmp_path):
     broken.write_bytes(b"\x89PNG\r\n\x1a\n this is not a picture")
     args = ["model=cnn", "data=imagefolder", f"data.root={root}", "data.image_size=8", "micro_batch=4",
             "trainer.epochs=1"]
-    assert_one_line_user_error(refused(tmp_path, *args, "data.num_workers=0"), f"cannot read image {broken}")
-    _, proc = train_run(tmp_path, "w2", *args, "data.num_workers=2", check=False)  # raised in a loader worker
+    assert_one_line_user_error(refused(tmp_path, *args, "loader.num_workers=0"), f"cannot read image {broken}")
+    _, proc = train_run(tmp_path, "w2", *args, "loader.num_workers=2", check=False)  # raised in a loader worker
     assert_one_line_error(proc, f"cannot read image {broken}")
 
 

@@ -21,7 +21,7 @@ def test_synthetic_cnn_run_learns(tmp_path):
 def test_imagefolder_run(tmp_path):
     root = make_image_folder(tmp_path / "images")
     run_dir, log = train_here(tmp_path, "folder", "model=cnn", "data=imagefolder", f"data.root={root}",
-                              "data.image_size=8", "data.num_workers=0", "micro_batch=4", "accum=2",
+                              "data.image_size=8", "loader.num_workers=0", "micro_batch=4", "accum=2",
                               "trainer.epochs=2", "trainer.progress=false")
     assert "18 train / 6 val, 3×8×8, 3 classes" in log
     assert len(read_metrics(run_dir)[0]) == 6  # 18 samples / 8 → 2 full windows + 1 of 2, over 2 epochs

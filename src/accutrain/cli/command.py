@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from accutrain import __version__
 from accutrain.cli import hydra_internals
 from accutrain.config.messages import explain, override_key, refuse_unknown_keys
-from accutrain.config.train import OWN_KEYS, config_dir, register_schemas
+from accutrain.config.train import GROUP_NODES, config_dir, register_schemas
 from accutrain.config.validate import validate
 from accutrain.errors import UserError
 from accutrain.store import rundir
@@ -92,7 +92,7 @@ def compose(hydra: Any, args: Namespace, overrides: list[str], multirun: bool = 
                                     with_log_configuration=False)
     except (HydraException, OmegaConfBaseException) as e:
         message = explain(e, overrides, group_choices(hydra, overrides))
-        swept = [o for o in overrides if "," in o and override_key(o) in OWN_KEYS and " has no key " in message
+        swept = [o for o in overrides if "," in o and override_key(o) in GROUP_NODES and " has no key " in message
                  and message.startswith(f"{override_key(o)}.")]
         if multirun and swept:  # Hydra composes the sweep's base config with the group's default option first
             key = message.split(":", 1)[0]

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accutrain.cli import command
 from accutrain.cli.command import check, expand_home
+from accutrain.config.renames import renamed
 from accutrain.config.targets import plugin_failure
 from accutrain.config.train import config_dir, register_schemas
 from accutrain.errors import Preempted, UserError, one_line
@@ -156,7 +157,8 @@ def import_from_working_directory() -> None:
 
 def before_hydra(prog: str, **checks: bool) -> None:
     """The command line checked before Hydra runs it (accutrain.cli.command); a mistake is one line and exit code 2."""
-    sys.argv[1:] = expand_home(sys.argv[1:])
+    sys.argv[1:] = renamed(expand_home(sys.argv[1:]), say=lambda line: print(f"{prog}: notice: {line}",
+                                                                             file=sys.stderr))
     try:
         sys.argv += check(sys.argv[1:], prog=prog, **checks)  # Hydra then uses the output directory checked
     except UserError as e:

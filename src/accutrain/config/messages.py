@@ -13,7 +13,8 @@ from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from accutrain.config.train import OWN_KEYS, config_dir
+from accutrain.config.renames import RENAMED, notice
+from accutrain.config.train import GROUP_NODES, config_dir
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -59,16 +60,18 @@ def field_type(kind: Any, key: Any) -> Any:
 
 def node_name(path: str, choices: dict[str, Optional[str]]) -> str:
     """How a message names a node: `model=resnet18` for a group's option, `trainer`, or `the config` (the top)."""
-    if path in OWN_KEYS and choices.get(path):
+    if path in GROUP_NODES and choices.get(path):
         return f"{path}={choices[path]}"
     return path or "the config"
 
 
 def unknown_key(shown: str, full_key: str, known: list[str], choices: dict[str, Optional[str]]) -> str:
+    if full_key in RENAMED:  # an old spelling in a yaml file (the command line's are rewritten before composing)
+        return f"{shown}: {notice(full_key)}"
     path, _, key = full_key.rpartition(".")
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" (did you mean {'.'.join(filter(None, [path, close[0]]))}?)" if close else ""
-    own = (f"; keys of your own need {path}=custom" if path in OWN_KEYS and (config_dir() / path / "custom.yaml")
+    own = (f"; keys of your own need {path}=custom" if path in GROUP_NODES and (config_dir() / path / "custom.yaml")
            .is_file() else "")
     return f"{shown}: {node_name(path, choices)} has no key {key!r}{hint}; its keys are: {', '.join(known)}{own}"
 

@@ -15,18 +15,17 @@ from accutrain.core.options import LRScaling, MixMode, Normalize
 
 class Norm(enum.Enum):
     keep = "keep"  # the model's own normalisation layers
-    group = "group"  # BatchNorm → GroupNorm (model.norm_groups): statistics per sample, exact under accumulation
+    group = "group"  # BatchNorm → GroupNorm (batchnorm.groups): statistics per sample, exact under accumulation
     frozen = "frozen"  # BatchNorm kept in eval mode: fixed running statistics (fine-tuning pretrained weights)
 
 
-# --- model/ -------------------------------------------------------------------------------------------
-# `_target_` is the factory; every other key is a keyword argument of it, except those in OWN_KEYS["model"].
+# --- model/, data/, optim/, sched/: factory nodes --------------------------------------------------------
+# Each holds a `_target_` and its keyword arguments only, so that hydra.utils.instantiate builds it from a run's
+# config.yaml (which also records the arguments taken from the data: num_classes, in_channels, …). What accutrain
+# applies around the factories has nodes of its own: batchnorm, loader, scaling.
 @dataclass
 class ModelConfig:
     _target_: str = MISSING
-    sync_batchnorm: bool = False  # BatchNorm → SyncBatchNorm when devices > 1: statistics over every rank's share
-    norm: Norm = Norm.keep  # keep | group | frozen: what becomes of BatchNorm
-    norm_groups: int = 32  # model.norm=group: groups per GroupNorm (the largest divisor of the channels ≤ this)
 
 
 @dataclass
@@ -84,13 +83,10 @@ class HFSeqClsModel(HFModel):
 
 
 # --- data/ --------------------------------------------------------------------------------------------
-# `_target_` returns an accutrain.data.Datasets; num_workers is the loader's, not the factory's.
+# `_target_` returns an accutrain.data.Datasets.
 @dataclass
 class DataConfig:
     _target_: str = MISSING
-    num_workers: int = 0
-    input_keys: Optional[List[str]] = None  # mapping items: the model's keyword inputs; null: all but target_key
-    target_key: str = "labels"  # mapping items: the target
 
 
 @dataclass
@@ -162,8 +158,6 @@ class OptimConfig:
     _target_: str = MISSING
     lr: float = MISSING
     weight_decay: float = 0.0
-    lr_scaling: LRScaling = LRScaling.none
-    base_batch: Optional[int] = None  # the effective batch optim.lr was tuned for; needed by lr_scaling
 
 
 @dataclass
@@ -207,6 +201,33 @@ class LossConfig:
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
     shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
     label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class
+
+
+# --- what accutrain applies around the factories ---------------------------------------------------------------
+@dataclass
+class BatchNormConfig:
+    """What becomes of the model's BatchNorm layers, whose statistics see a micro-batch, not the window."""
+
+    convert: Norm = Norm.keep  # keep | group | frozen
+    groups: int = 32  # convert=group: groups per GroupNorm (the largest divisor of the channels ≤ this)
+    sync: bool = False  # BatchNorm → SyncBatchNorm when devices > 1: statistics over every rank's micro-batch (CUDA)
+
+
+@dataclass
+class LoaderConfig:
+    """How samples become micro-batches: loader processes, and which keys of mapping items feed the model."""
+
+    num_workers: Any = "auto"  # auto: min(4, cores per device − 1) for data read or decoded per item, else 0
+    input_keys: Optional[List[str]] = None  # mapping items: the model's keyword inputs; null: all but target_key
+    target_key: str = "labels"  # mapping items: the target
+
+
+@dataclass
+class ScalingConfig:
+    """Hyperparameters that follow the effective batch, relative to the batch they were tuned for."""
+
+    lr: LRScaling = LRScaling.none  # none | linear | sqrt: optim.lr × (effective batch / base_batch), or its root
+    base_batch: Optional[int] = None  # the effective batch optim.lr was tuned for (needed by linear and sqrt)
 
 
 # --- augment/ ------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""User plug-ins: the callable a `_target_` names, and the keyword arguments a group's config passes to it."""
+"""Factory nodes (`_target_` and its keyword arguments: model, data, optim, sched, each tracker): the callable a
+`_target_` names, the arguments the run supplies, and the call — Hydra's instantiate, so that what a run's
+config.yaml records is what `hydra.utils.instantiate` builds."""
 from __future__ import annotations
 
 import importlib
@@ -9,9 +11,9 @@ import sys
 import traceback
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from accutrain.config.train import OWN_KEYS
+from accutrain.config.train import GROUP_NODES
 from accutrain.errors import UserError, one_line
 
 log = logging.getLogger("accutrain")
@@ -57,13 +59,35 @@ def load_target(key: str, target: str) -> Callable[..., Any]:
     raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
 
 
-def factory(group: str, node: DictConfig | dict, key: Optional[str] = None
-            ) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """(the callable `group._target_` names, the node's other keys as plain Python values), leaving out the keys
-    accutrain applies itself (config.OWN_KEYS). `key` names the node in errors when it is not the group itself."""
-    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    target = load_target(f"{key or group}._target_", values["_target_"])
-    return target, {k: v for k, v in values.items() if k not in OWN_KEYS[group]}
+def plain(node: DictConfig | dict) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def instantiate(key: str, node: DictConfig | dict, *args: Any) -> Any:
+    """`hydra.utils.instantiate(node, *args)`: its `_target_` called with `args` and the node's other keys (nested
+    `_target_`s built first). An import error is one line naming `key._target_`; an exception the call raises
+    reaches the caller as it was raised (not wrapped), so that a plug-in's own error can be named."""
+    from hydra.utils import instantiate as hydra_instantiate
+
+    values = plain(node)
+    load_target(f"{key}._target_", values["_target_"])
+    values["_target_"] = moved(values["_target_"])
+    return hydra_instantiate(values, _partial_=True, _convert_="all")(*args)
+
+
+def run_arguments(key: str, node: DictConfig | dict, offered: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `offered` (the run's seed, the data's num_classes, …) that `key._target_` takes and the
+    node does not set: what the run records in the node before instantiating it."""
+    values = plain(node)
+    target = load_target(f"{key}._target_", values["_target_"])
+    return {k: v for k, v in accepted(target, offered).items() if k not in values}
+
+
+def record(node: DictConfig, arguments: dict[str, Any]) -> None:
+    """Add `arguments` to a factory node of the run's config (so config.yaml holds every argument of the call)."""
+    with open_dict(node):
+        for name, value in arguments.items():
+            node[name] = value
 
 
 def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +101,7 @@ def plugin_failure(error: BaseException, cfg: DictConfig) -> Optional[str]:
     """When `error` was raised in the code of a user plug-in (a `_target_` outside accutrain), one line naming it,
     the error and where: `the model mymodels.Net raised RuntimeError: … (mymodels.py:12, in forward)`; else None."""
     frames = traceback.extract_tb(error.__traceback__)
-    for group in OWN_KEYS:
+    for group in GROUP_NODES:
         target = OmegaConf.select(cfg, f"{group}._target_")
         if not isinstance(target, str) or target.startswith("accutrain."):
             continue

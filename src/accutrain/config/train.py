@@ -17,10 +17,11 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from accutrain.config.schemas import (AdamWOptim, AugmentConfig, CharLMModel, CNNModel, ConstantSched, CosineSched,
-                                      DigitsData, HFCausalLMModel, HFSeqClsModel, ImageFolderData, LossConfig, MLPModel,
-                                      SequenceData, SGDOptim, SyntheticData, TextData, TorchvisionData,
-                                      TorchvisionModel)
+from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel,
+                                      ConstantSched, CosineSched, DigitsData, HFCausalLMModel, HFSeqClsModel,
+                                      ImageFolderData, LoaderConfig, LossConfig, MLPModel, ScalingConfig, SequenceData,
+                                      SGDOptim, SyntheticData, TextData, TorchvisionData, TorchvisionModel)
+from accutrain.config.renames import renamed
 from accutrain.core.options import LastWindow
 
 
@@ -171,6 +172,9 @@ class TrainConfig:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: Any = MISSING
     loss: LossConfig = field(default_factory=LossConfig)
+    batchnorm: BatchNormConfig = field(default_factory=BatchNormConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
     logger: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
@@ -213,15 +217,9 @@ SCHEMAS = {
 }
 
 
-# Keys of each group that accutrain applies itself; every other key is a keyword argument of the group's _target_.
-OWN_KEYS = {
-    "model": ("_target_", "sync_batchnorm", "norm", "norm_groups"),
-    "data": ("_target_", "num_workers", "input_keys", "target_key"),
-    "optim": ("_target_", "lr_scaling", "base_batch"),
-    "sched": ("_target_",),
-    "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),
-    "logger": ("_target_",),  # each logger.<name> is a tracker; its other keys are its keyword arguments
-}
+# The config groups whose option is a node of keys: a factory's `_target_` and its keyword arguments (model, data,
+# optim, sched; each logger.<name> a tracker's), or the strategy's settings.
+GROUP_NODES = ("model", "data", "optim", "sched", "strategy", "logger")
 
 
 @functools.cache
@@ -251,4 +249,4 @@ def compose(*overrides: str, hydra: bool = False) -> DictConfig:
 
     register_schemas()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=hydra)
+        return hydra_compose(config_name="train", overrides=renamed(list(overrides)), return_hydra_config=hydra)

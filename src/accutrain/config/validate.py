@@ -74,19 +74,22 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
     if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
-    if cfg.model.get("norm_groups", 1) < 1:
-        raise UserError(f"model.norm_groups={cfg.model.norm_groups} is not valid: expected a positive integer")
-    if cfg.data.num_workers < 0:
-        raise UserError(f"data.num_workers={cfg.data.num_workers} is not valid: expected 0 or more")
+    if cfg.batchnorm.groups < 1:
+        raise UserError(f"batchnorm.groups={cfg.batchnorm.groups} is not valid: expected a positive integer")
+    workers = cfg.loader.num_workers
+    if workers != "auto" and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise UserError(f"loader.num_workers={workers} is not valid: expected auto or a number of processes (0: "
+                        "the training process reads the data itself)")
     if cfg.sched.warmup_steps < 0:
         raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
     if cfg.optim.lr <= 0:
         raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")
-    if cfg.optim.base_batch is not None and cfg.optim.base_batch < 1:
-        raise UserError(f"optim.base_batch={cfg.optim.base_batch} is not valid: expected a positive batch size or null")
-    if cfg.optim.lr_scaling is not LRScaling.none and cfg.optim.base_batch is None:
-        raise UserError(f"optim.lr_scaling={cfg.optim.lr_scaling.name} needs optim.base_batch, the effective batch "
-                        f"optim.lr was tuned for (e.g. optim.base_batch=32)")
+    if cfg.scaling.base_batch is not None and cfg.scaling.base_batch < 1:
+        raise UserError(f"scaling.base_batch={cfg.scaling.base_batch} is not valid: expected a positive batch size or "
+                        "null")
+    if cfg.scaling.lr is not LRScaling.none and cfg.scaling.base_batch is None:
+        raise UserError(f"scaling.lr={cfg.scaling.lr.name} needs scaling.base_batch, the effective batch optim.lr was "
+                        f"tuned for (e.g. scaling.base_batch=32)")
     if t.ema is not None and not 0 < t.ema < 1:
         raise UserError(f"trainer.ema={t.ema} is not valid: expected a decay between 0 and 1 (e.g. 0.999) or null")
     if t.ema_device not in (None, "cpu"):
@@ -161,8 +164,7 @@ def validate_strategy(cfg: DictConfig) -> None:
          "already reduces and accumulates gradients in float32"),
         (str(t.precision) == "16-mixed", "trainer.precision=16-mixed", "float16 with a GradScaler is not verified "
          "with FSDP; use bf16-mixed"),
-        (cfg.model.get("sync_batchnorm", False), "model.sync_batchnorm=true", "use model.norm=group or "
-         "model.norm=frozen"),
+        (cfg.batchnorm.sync, "batchnorm.sync=true", "use batchnorm.convert=group or batchnorm.convert=frozen"),
         (t.ema_device is not None, f"trainer.ema_device={t.ema_device}", "the average is sharded like the weights "
          "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
         (t.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not verified with "

@@ -3,7 +3,7 @@
 Every part of accutrain that touches a batch goes through `Batch`: moving it to the device, calling the model,
 counting its samples, cutting it (the out-of-memory re-split), and the stand-in a rank forwards when its share
 of a short window is empty. `BatchFormat` turns a list of dataset items into a Batch (the data's collate, then
-`data.input_keys` / `data.target_key` for mapping items); `PadCollate` pads variable-length items to the
+`loader.input_keys` / `loader.target_key` for mapping items); `PadCollate` pads variable-length items to the
 micro-batch's own longest (dynamic padding).
 """
 from __future__ import annotations
@@ -97,20 +97,20 @@ class BatchFormat:
             inputs, target = data
             return Batch(inputs, target)
         if self.target_key not in data:
-            raise UserError(f"data.target_key={self.target_key}: the data's items have no such key (they have "
+            raise UserError(f"loader.target_key={self.target_key}: the data's items have no such key (they have "
                             f"{', '.join(map(str, data))})")
         keys = self.input_keys or [k for k in data if k != self.target_key]
         missing = [k for k in keys if k not in data]
         if missing:
-            raise UserError(f"data.input_keys: {', '.join(missing)} not in the data's items (they have "
+            raise UserError(f"loader.input_keys: {', '.join(missing)} not in the data's items (they have "
                             f"{', '.join(map(str, data))})")
         return Batch({k: data[k] for k in keys}, data[self.target_key])
 
 
-def batch_format(data_cfg: Any, collate: Optional[Callable[[list], Any]]) -> BatchFormat:
-    """The run's BatchFormat: the data's collate (Datasets.collate) and data.input_keys / data.target_key."""
-    keys = data_cfg.get("input_keys")
-    return BatchFormat(collate or default_collate, tuple(keys) if keys else None, data_cfg.get("target_key", "labels"))
+def batch_format(loader_cfg: Any, collate: Optional[Callable[[list], Any]]) -> BatchFormat:
+    """The run's BatchFormat: the data's collate (Datasets.collate) and loader.input_keys / loader.target_key."""
+    keys = loader_cfg.get("input_keys")
+    return BatchFormat(collate or default_collate, tuple(keys) if keys else None, loader_cfg.get("target_key", "labels"))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`optim.lr_scaling`: the learning rate follows the effective batch, relative to `optim.base_batch`.
+"""`scaling.lr`: the learning rate follows the effective batch, relative to `scaling.base_batch`.
 
 linear: lr × effective / base_batch (the linear scaling rule, for SGD); sqrt: lr × √(effective / base_batch)
 (for adaptive optimisers such as AdamW); none: lr as given.
@@ -27,7 +27,7 @@ def scaled_lr(lr: float, effective: int, rule: LRScaling, base_batch: Optional[i
 
 @dataclass(frozen=True)
 class BatchScaling:
-    """optim.lr_scaling with optim.base_batch: what a window's effective batch multiplies the learning rate by."""
+    """scaling.lr with scaling.base_batch: what a window's effective batch multiplies the learning rate by."""
 
     rule: LRScaling = LRScaling.none
     base_batch: Optional[int] = None
@@ -37,12 +37,12 @@ class BatchScaling:
 
 
 def describe(lr: float, effective: int, rule: LRScaling, base_batch: Optional[int]) -> Optional[str]:
-    """The start-up line, e.g. `lr 0.1 = 0.05 × 64/32 (optim.lr_scaling=linear, base_batch 32)`; None if unscaled."""
+    """The start-up line, e.g. `lr 0.1 = 0.05 × 64/32 (scaling.lr=linear, base_batch 32)`; None if unscaled."""
     if rule is LRScaling.none:
         return None
     factor = f"{effective}/{base_batch}" if rule is LRScaling.linear else f"√({effective}/{base_batch})"
     return (f"lr {scaled_lr(lr, effective, rule, base_batch):.4g} = {lr:.4g} × {factor} "
-            f"(optim.lr_scaling={rule.name}, base_batch {base_batch})")
+            f"(scaling.lr={rule.name}, base_batch {base_batch})")
 
 
 @contextmanager

@@ -14,8 +14,8 @@ class Normalize(enum.Enum):
 
 class LRScaling(enum.Enum):
     none = "none"  # optim.lr as given
-    linear = "linear"  # optim.lr × effective batch / optim.base_batch (the linear scaling rule)
-    sqrt = "sqrt"  # optim.lr × √(effective batch / optim.base_batch), for adaptive optimisers
+    linear = "linear"  # optim.lr × effective batch / scaling.base_batch (the linear scaling rule)
+    sqrt = "sqrt"  # optim.lr × √(effective batch / scaling.base_batch), for adaptive optimisers
 
 
 class MixMode(enum.Enum):

@@ -22,7 +22,7 @@ from accutrain.seeding import generator
 @dataclass
 class Datasets:
     """What a `data` factory returns: two splits of items — (input, target) pairs, or mappings whose target is
-    under `data.target_key` and whose other keys (or `data.input_keys`) are the model's keyword inputs. A target
+    under `loader.target_key` and whose other keys (or `loader.input_keys`) are the model's keyword inputs. A target
     is a class index per sample, or per element (a sequence's tokens, an image's pixels) for element-level
     losses."""
 
@@ -36,6 +36,18 @@ class Datasets:
     tokenizer: Any = None  # saved beside an exported model (trainer.export=hf)
     classes: str = "classes"  # what num_classes counts, for the log ("tokens in the vocabulary")
     images: Optional[ImageSource] = None  # image data: what augment= makes its views from (accutrain.data.views)
+    decoded: bool = False  # each item is read or decoded when asked (files, PIL images): loader workers help
+
+
+def loader_workers(setting: Any, datasets: Datasets, devices: int) -> int:
+    """loader.num_workers: a number as given; auto: min(4, cores per device − 1) for data read or decoded per item,
+    else 0 (items already in memory: a worker would add only its start-up and the copy between processes)."""
+    if setting != "auto":
+        return int(setting)
+    if not datasets.decoded:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(4, cores // max(1, devices) - 1))
 
 
 class InMemory(Dataset):
@@ -176,7 +188,7 @@ def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
     source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"])
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), spec["classes"], spec["shape"], f"{name} ({root_path})",
-                    images=source)
+                    images=source, decoded=True)
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -233,7 +245,7 @@ def image_folder(root: str, image_size: int, channels: int) -> Datasets:
                          convert=(v2.Grayscale(1) if channels == 1 else v2.Lambda(_to_rgb),))
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), len(train.classes), (channels, image_size, image_size),
-                    f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source)
+                    f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source, decoded=True)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool, seed: int,

@@ -3,7 +3,7 @@ view (never augmented).
 
 A random view of sample i in epoch e depends on (seed, e, i) only: the transform runs with torch's CPU generator
 seeded from those three (seeding.seeded_cpu_rng), never on the global stream, a loader worker's stream, or the
-sample's place in a micro-batch. So `micro_batch`, `accum`, `devices` and `data.num_workers` never change a view,
+sample's place in a micro-batch. So `micro_batch`, `accum`, `devices` and `loader.num_workers` never change a view,
 and a resumed run sees the views the uninterrupted one would have seen.
 """
 from __future__ import annotations

@@ -7,8 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from accutrain.config.targets import accepted
-from accutrain.config.targets import factory as target_and_args
+from accutrain.config.targets import instantiate, run_arguments
 from accutrain.core.batches import Batch, as_batch
 from accutrain.errors import UserError, one_line
 
@@ -128,22 +127,30 @@ def torchvision_classifier(
     return model
 
 
+def data_arguments(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None
+                   ) -> dict[str, Any]:
+    """The data's arguments (num_classes, in_channels, image_size, and `extra`: vocab_size, …) that the model's
+    `_target_` takes and its node does not set."""
+    from_data: dict[str, Any] = dict(num_classes=num_classes, **(extra or {}))
+    if len(sample_shape) == 3:
+        from_data.update(in_channels=sample_shape[0], image_size=sample_shape[1])
+    return run_arguments("model", cfg, from_data)
+
+
 def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,
                 example: Optional[Batch | tuple[Any, torch.Tensor]] = None) -> nn.Module:
-    """Call `cfg._target_` with the other keys of `cfg` (but config.OWN_KEYS), plus the data's arguments
-    (num_classes, in_channels, image_size, and `extra`) that it takes.
+    """Instantiate the model node `cfg` (`_target_` and its keyword arguments) with the data's arguments that it
+    takes (data_arguments; a run records them in its node first).
 
     A dry forward pass (on two samples of the data, `example`, or two blank images) checks that the model takes
     the data and returns one logit per class (per element: at least one per class, in dimension 1), so a mismatch
     is one clear line now rather than a traceback in the first step.
     """
-    factory, kwargs = target_and_args("model", cfg)
-    from_data: dict[str, Any] = dict(num_classes=num_classes, **(extra or {}))
-    if len(sample_shape) == 3:
-        from_data.update(in_channels=sample_shape[0], image_size=sample_shape[1])
-    kwargs.update(accepted(factory, from_data))
+    node = {**dict(cfg), **data_arguments(cfg, sample_shape, num_classes, extra)}
     try:
-        model = factory(**kwargs)
+        model = instantiate("model", node)
+    except UserError:
+        raise
     except TypeError as e:  # most often a keyword argument it does not take
         raise UserError(f"model._target_={cfg['_target_']}: {e}") from e
     except Exception as e:  # the user's model failing in __init__: one line here, its traceback in train.log

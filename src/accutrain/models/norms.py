@@ -1,4 +1,4 @@
-"""BatchNorm under accumulation: finding the layers, converting them (`model.norm`, SyncBatchNorm), and the start-up
+"""BatchNorm under accumulation: finding the layers, converting them (`batchnorm.convert`, SyncBatchNorm), and the start-up
 warning; and the other layers whose training output depends on how a window is cut (dropout).
 
 BatchNorm in training mode normalises each micro-batch with that micro-batch's statistics, so an accumulated step
@@ -16,9 +16,9 @@ from torch import nn
 from accutrain.config.schemas import Norm
 from accutrain.models.factories import replace_module
 
-REMEDIES = ("model.norm=group (GroupNorm: statistics per sample; model.norm_groups sets the groups), "
-            "model.norm=frozen (BatchNorm in eval mode with fixed statistics, for fine-tuning pretrained weights), "
-            "model.sync_batchnorm=true (statistics over every device's micro-batch, with devices > 1)")
+REMEDIES = ("batchnorm.convert=group (GroupNorm: statistics per sample; batchnorm.groups sets the groups), "
+            "batchnorm.convert=frozen (BatchNorm in eval mode with fixed statistics, for fine-tuning pretrained "
+            "weights), batchnorm.sync=true (statistics over every device's micro-batch, with devices > 1)")
 
 
 def batchnorm_layers(model: nn.Module, training_only: bool = False) -> list[tuple[str, nn.Module]]:
@@ -32,12 +32,12 @@ def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
 
 
 def is_frozen(module: nn.Module) -> bool:
-    """A BatchNorm that model.norm=frozen keeps in eval mode."""
+    """A BatchNorm that batchnorm.convert=frozen keeps in eval mode."""
     return getattr(module.train, "__func__", None) is _stay_in_eval
 
 
 def convert_norm(model: nn.Module, norm: Any, groups: int) -> int:
-    """model.norm: BatchNorm → GroupNorm (`group`, affine weights carried over), or kept in eval mode with its
+    """batchnorm.convert: BatchNorm → GroupNorm (`group`, affine weights carried over), or kept in eval mode with its
     running statistics fixed (`frozen`; its scale and shift still train). Returns how many layers changed."""
     norm = Norm(norm.value if hasattr(norm, "value") else norm)
     if norm is Norm.keep:
@@ -74,7 +74,7 @@ def batchnorm_warning(model: nn.Module, micro_batch: int, effective: int, device
 
 def sync_batchnorm(model: nn.Module) -> int:
     """BatchNorm → SyncBatchNorm in place (statistics over every rank's micro-batch), keeping the parameters and
-    running statistics themselves. Frozen layers (model.norm=frozen) stay as they are: in eval mode they have
+    running statistics themselves. Frozen layers (batchnorm.convert=frozen) stay as they are: in eval mode they have
     nothing to synchronise, and the conversion would drop their freeze. Returns how many layers changed."""
     layers = [(name, bn) for name, bn in batchnorm_layers(model)
               if name and not is_frozen(bn) and not isinstance(bn, nn.SyncBatchNorm)]

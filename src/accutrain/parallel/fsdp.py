@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from accutrain.config.schemas import Norm
 from accutrain.config.train import CheckpointFormat, Sync
 from accutrain.dist import World
 from accutrain.errors import UserError
@@ -73,10 +72,10 @@ class FSDP(Strategy):
     # --- sharding -------------------------------------------------------------------------------------------
     def check_model(self, model: nn.Module, cfg: Any) -> None:
         if self.world.size > 1 and (layers := batchnorm_layers(model, training_only=True)):
-            raise UserError(f"strategy=fsdp with model.norm={cfg.model.get('norm', Norm.keep).name}: the model has "
+            raise UserError(f"strategy=fsdp with batchnorm.convert={cfg.batchnorm.convert.name}: the model has "
                             f"{len(layers)} BatchNorm layers in training mode, whose running statistics FSDP leaves "
-                            "different on every rank (DDP broadcasts rank 0's); use model.norm=group (GroupNorm) or "
-                            "model.norm=frozen, or strategy=ddp")
+                            "different on every rank (DDP broadcasts rank 0's); use batchnorm.convert=group "
+                            "(GroupNorm) or batchnorm.convert=frozen, or strategy=ddp")
 
     def model_device(self, device: torch.device) -> Optional[torch.device]:
         return None  # made in CPU memory: fully_shard moves each rank's shards to the device

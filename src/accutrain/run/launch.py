@@ -52,9 +52,9 @@ def place(cfg: DictConfig) -> Ranks:
         raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
                         f"or set devices={world.size}")
     n = world.size if world is not None else count_devices(cfg.devices, device.type)
-    if n > 1 and cfg.model.get("sync_batchnorm") and device.type != "cuda":
-        raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the "
-                        "CPU (use devices=1, or model.sync_batchnorm=false)")
+    if n > 1 and cfg.batchnorm.sync and device.type != "cuda":
+        raise UserError("batchnorm.sync=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the CPU (use "
+                        "devices=1, or batchnorm.sync=false)")
     return Ranks(device, world, n)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from accutrain.config.targets import factory
+from accutrain.config.targets import instantiate, load_target, plain
 from accutrain.errors import UserError
 from accutrain.report.runs import read_overrides
 from accutrain.store.files import write_atomic
@@ -47,14 +47,15 @@ class Trackers:
             if not isinstance(node, DictConfig) or "_target_" not in node:
                 raise UserError(f"logger.{name} is not a tracker: expected logger.{name}._target_=module.Class "
                                 f"(or logger={name} for a built-in one)")
-            make, kwargs = factory("logger", node, key=f"logger.{name}")
+            make = load_target(f"logger.{name}._target_", node._target_)
+            kwargs = {k: v for k, v in plain(node).items() if k != "_target_"}
             try:
                 inspect.signature(make).bind(**kwargs)
             except TypeError as e:
                 raise UserError(f"logger.{name} ({node._target_}): {e}") from None
             except ValueError:  # no signature to check (a builtin)
                 pass
-            built[name] = make(**kwargs)
+            built[name] = instantiate(f"logger.{name}", node)
         return cls(built, run_dir)
 
     def start(self, cfg: DictConfig, plan: "BatchPlan", step: int, resumed: bool) -> None:

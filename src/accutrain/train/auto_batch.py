@@ -60,7 +60,7 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
         collate = dataclasses.replace(collate, length=max(datasets.sample_shape))
 
     def batch_of(size: int) -> Batch:
-        return batch_format(cfg.data, collate)([datasets.train[i % len(datasets.train)] for i in range(size)])
+        return batch_format(cfg.loader, collate)([datasets.train[i % len(datasets.train)] for i in range(size)])
 
     fits = trial(model, optimizer, precision, batch_of, device, budget, loss, buffers)
     # BatchNorm in training cannot normalise one sample (one value per channel): the search starts at 2.

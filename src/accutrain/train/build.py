@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import Subset
 
 from accutrain import dist
-from accutrain.config.targets import accepted, factory
+from accutrain.config.targets import instantiate, record, run_arguments
 from accutrain.core import compiled, lr_scaling
 from accutrain.core.batches import BatchFormat, batch_format
 from accutrain.core.grad_buffers import grad_buffer_spec
@@ -44,13 +44,14 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     """Build the run's components on this rank's `device`. The config was validated by the caller."""
     trainer = cfg.trainer
     seed_everything(cfg.seed)  # the initial weights depend on the seed only: the data is made on a fork of the RNG
-    make_data, data_kwargs = factory("data", cfg.data)
-    data_kwargs = {**accepted(make_data, dict(seed=cfg.seed)), **data_kwargs}  # the run's seed, unless given
+    # Each factory node (data, model, optim, sched) records the arguments the run supplies before it is instantiated,
+    # so that the run's config.yaml holds the whole call (hydra.utils.instantiate rebuilds each part from it).
+    record(cfg.data, run_arguments("data", cfg.data, dict(seed=cfg.seed)))  # the run's seed, unless given
     with main_first(world), torch.random.fork_rng(devices=[]):
-        datasets: data.Datasets = make_data(**data_kwargs)
+        datasets: data.Datasets = instantiate("data", cfg.data)
     datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
     precision = make_precision(trainer.precision, device)
-    batches = batch_format(cfg.data, datasets.collate)
+    batches = batch_format(cfg.loader, datasets.collate)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
@@ -64,15 +65,14 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         raise UserError(f"trainer.export=hf needs a Hugging Face model (model=hf_causal_lm or model=hf_seq_cls), "
                         f"not {cfg.model._target_}")
 
-    make_optimizer, optim_kwargs = factory("optim", cfg.optim)
-    optimizer = make_optimizer(model, **optim_kwargs)  # the lr is set below, once the effective batch is known
+    optimizer = instantiate("optim", cfg.optim, model)  # scaling.lr scales its lr per window (below)
     spec = grad_buffer_spec(trainer, precision, device, world.size)
     micro_batch = cfg.micro_batch
     if micro_batch == "auto":  # before SyncBatchNorm (no rank waits in a trial's collective) and the buffers' hooks
         micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, loss, cache_dir,
                                        spec)
     buffers = spec.build(model) if spec else None
-    synced = world.size > 1 and cfg.model.get("sync_batchnorm", False)
+    synced = world.size > 1 and cfg.batchnorm.sync
     if synced:  # CUDA only: launch refuses it on the CPU
         norms.sync_batchnorm(model)
     plan = make_plan(
@@ -83,12 +83,12 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     for line in plan.describe():
         log.info(line)
     log.info(data.describe_split_sizes(datasets))
-    for group in optimizer.param_groups:  # optim.lr_scaling applies at each optimizer step, for its window's batch
+    for group in optimizer.param_groups:  # scaling.lr applies at each optimizer step, for its window's batch
         group["lr"] = group["initial_lr"] = cfg.optim.lr
-    if line := lr_scaling.describe(cfg.optim.lr, plan.effective, cfg.optim.lr_scaling, cfg.optim.base_batch):
+    if line := lr_scaling.describe(cfg.optim.lr, plan.effective, cfg.scaling.lr, cfg.scaling.base_batch):
         log.info(line + ("; each window's scheduled batch scales its own step" if plan.schedule else ""))
-    make_scheduler, sched_kwargs = factory("sched", cfg.sched)
-    scheduler = make_scheduler(optimizer, total_steps=plan.total_steps, **sched_kwargs)
+    record(cfg.sched, dict(total_steps=plan.total_steps))
+    scheduler = instantiate("sched", cfg.sched, optimizer)
 
     if trainer.compile:  # in place, once: after the search and the buffers' hooks, before DDP wraps it
         compiled.compile_model(model, trainer.compile_mode, trainer.compile_backend)
@@ -104,12 +104,13 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
     # communicates (a skipped stand-in would leave the other ranks waiting) and which takes zero samples.
-    loader = window_loader(datasets.train, sampler, cfg.data.num_workers, pin,
+    workers = data.loader_workers(cfg.loader.num_workers, datasets, world.size)
+    loader = window_loader(datasets.train, sampler, workers, pin,
                            generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
                            stand_in=not synced and not strategy.lockstep)
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = strategy.eval_batches(
-        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, cfg.data.num_workers, pin, cfg.seed,
+        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, workers, pin, cfg.seed,
                          collate=batches), lambda: batches([datasets.val[0]]).head(0))
     for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
                     pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),
@@ -118,7 +119,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         if warning:
             log.warning(warning)
     typed_trainer = OmegaConf.to_object(trainer)  # the schema's dataclass: no OmegaConf lookup past the build
-    scaling = lr_scaling.BatchScaling(cfg.optim.lr_scaling, cfg.optim.base_batch)
+    scaling = lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch)
     return Components(cfg, typed_trainer, scaling, world, plan, device, model, wrapped, strategy, optimizer, scheduler,
                       sampler, loader, val_loader, precision, buffers, loss, make_ema(trainer, model),
                       Monitor.from_config(trainer), datasets.tokenizer)
@@ -126,13 +127,14 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
 
 def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
                 precision: Precision, strategy: Optional[Strategy] = None) -> nn.Module:
-    """The model sized to the data, its norm layers as `model.norm` asks, activation checkpointing, on the device
-    (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm comes later, in build,
-    once micro_batch=auto has searched)."""
+    """The model sized to the data (the data's arguments recorded in its node), its BatchNorm layers as
+    `batchnorm.convert` asks, activation checkpointing, on the device (in CPU memory for FSDP, which moves each
+    rank's shards to the device; SyncBatchNorm comes later, in build, once micro_batch=auto has searched)."""
+    record(cfg.model, models.data_arguments(cfg.model, datasets.sample_shape, datasets.num_classes, datasets.extra))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
-    norms.convert_norm(model, cfg.model.get("norm", "keep"), cfg.model.get("norm_groups", 32))
+    norms.convert_norm(model, cfg.batchnorm.convert, cfg.batchnorm.groups)
     if cfg.trainer.activation_checkpointing:
         if wrapped := enable_activation_checkpointing(model):
             log.info(f"activation checkpointing: {wrapped} blocks recompute their activations in backward")

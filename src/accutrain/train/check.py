@@ -86,8 +86,8 @@ def components_for_check(cfg: DictConfig) -> Components:
 
 
 def synced_devices(c: Components) -> int:
-    """How many devices' micro-batches one BatchNorm statistic spans: all of them with model.sync_batchnorm."""
-    if not c.cfg.model.get("sync_batchnorm", False):
+    """How many devices' micro-batches one BatchNorm statistic spans: all of them with batchnorm.sync."""
+    if not c.cfg.batchnorm.sync:
         return 1
     return c.world.size if c.world.size > 1 else c.cfg.devices if isinstance(c.cfg.devices, int) else 1
 

@@ -30,7 +30,7 @@ class Components:
 
     cfg: DictConfig
     trainer: TrainerConfig  # trainer.*, as the schema's dataclass
-    lr_scaling: BatchScaling  # optim.lr_scaling and optim.base_batch
+    lr_scaling: BatchScaling  # scaling.lr and scaling.base_batch
     world: World
     plan: BatchPlan
     device: torch.device

@@ -1,0 +1,98 @@
+"""Factory nodes hold only their factory's keyword arguments: `hydra.utils.instantiate` rebuilds a finished run's
+model, data, optimizer and scheduler from its config.yaml; the keys accutrain applies itself have nodes of their own,
+and their old spellings still work with a notice."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from accutrain.config.renames import RENAMED, renamed
+from accutrain.config.validate import validate
+from accutrain.data import Datasets
+from accutrain.errors import UserError
+from conftest import train_here
+
+TINY = ["debug=fast", "data.size=40", "data.val_size=8", "trainer.max_steps=2", "trainer.checkpoint_every=1"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "resnet18"])
+def test_a_runs_config_yaml_instantiates_its_model_data_optimizer_and_scheduler(tmp_path, model):
+    run_dir, _ = train_here(tmp_path, "run", *TINY, f"model={model}", "optim=adamw", "sched=cosine",
+                            "sched.warmup_steps=1")
+    saved = OmegaConf.load(run_dir / "config.yaml")
+
+    datasets = instantiate(saved.data)
+    assert isinstance(datasets, Datasets) and len(datasets.train) == 40
+    net = instantiate(saved.model)
+    weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    net.load_state_dict(weights)  # strict: the very architecture the run trained
+    optimizer = instantiate(saved.optim, net)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.param_groups[0]["lr"] == saved.optim.lr
+    assert optimizer.param_groups[0]["weight_decay"] == saved.optim.weight_decay
+    assert {g["weight_decay"] for g in optimizer.param_groups} == {saved.optim.weight_decay, 0.0}
+    scheduler = instantiate(saved.sched, optimizer)
+    assert scheduler.get_last_lr()[0] == pytest.approx(saved.optim.lr / 1)  # warm-up of 1 step: step 0 at full lr
+    assert saved.sched.total_steps == 2
+    if model == "mlp":  # the data's arguments, recorded
+        assert (saved.model.num_classes, saved.model.in_channels, saved.model.image_size) == (10, 1, 8)
+    with torch.no_grad():
+        assert net.eval()(datasets.val[0][0][None]).shape == (1, datasets.num_classes)
+
+
+def test_the_optimizer_factories_take_parameters_as_well_as_a_module():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    by_module = instantiate({"_target_": "accutrain.models.optim.sgd", "lr": 0.1, "weight_decay": 0.5}, net)
+    by_params = instantiate({"_target_": "accutrain.models.optim.sgd", "lr": 0.1, "weight_decay": 0.5},
+                            net.parameters())
+    for a, b in zip(by_module.param_groups, by_params.param_groups):
+        assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
+        assert a["weight_decay"] == b["weight_decay"]
+
+
+def test_no_factory_node_holds_a_key_accutrain_applies_itself(compose):
+    cfg = compose("model=resnet18", "data=cifar10")
+    for old in RENAMED:
+        group, key = old.split(".")
+        assert key not in cfg[group], old
+    assert cfg.batchnorm.convert.name == "keep" and cfg.loader.num_workers == "auto" and cfg.scaling.lr.name == "none"
+
+
+def test_old_spellings_are_rewritten_with_one_notice_each(compose):
+    said: list[str] = []
+    args = ["model.norm=group", "+optim.base_batch=64", "optim.lr_scaling=sqrt", "~data.target_key",
+            "data.num_workers=0", "model.name=resnet34", "hydra.run.dir=x", "--multirun"]
+    assert renamed(args, said.append) == ["batchnorm.convert=group", "scaling.base_batch=64", "scaling.lr=sqrt",
+                                          "~loader.target_key", "loader.num_workers=0", "model.name=resnet34",
+                                          "hydra.run.dir=x", "--multirun"]
+    assert len(said) == 5 and said[0].startswith("model.norm is now batchnorm.convert: write batchnorm.convert=group")
+    cfg = compose("model.norm=frozen", "optim.lr_scaling=linear", "optim.base_batch=16", "data.num_workers=1")
+    assert (cfg.batchnorm.convert.name, cfg.scaling.lr.name, cfg.scaling.base_batch, cfg.loader.num_workers) == \
+        ("frozen", "linear", 16, 1)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("loader.num_workers=-1", "loader.num_workers=-1 is not valid"),
+    ("loader.num_workers=many", "loader.num_workers=many is not valid"),
+    ("batchnorm.groups=0", "batchnorm.groups=0 is not valid"),
+    ("scaling.lr=linear", "scaling.lr=linear needs scaling.base_batch"),
+])
+def test_the_new_nodes_values_are_checked(compose, override, fragment):
+    with pytest.raises(UserError, match=fragment):
+        validate(compose(override))
+
+
+def test_auto_workers_only_for_data_read_per_item(tmp_path, monkeypatch):
+    from accutrain.data.datasets import loader_workers
+
+    in_memory = Datasets(None, None, 2, (1,), "x")
+    decoded = Datasets(None, None, 2, (1,), "x", decoded=True)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(16)), raising=False)
+    assert loader_workers("auto", in_memory, 1) == 0
+    assert loader_workers("auto", decoded, 1) == 4 and loader_workers("auto", decoded, 8) == 1
+    assert loader_workers(3, in_memory, 1) == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1})
+    assert loader_workers("auto", decoded, 1) == 1 and loader_workers("auto", decoded, 2) == 0
+
