@@ -67,15 +67,18 @@ def count_devices(devices: Any, device_type: str) -> int:
 
 
 def worker_device(device: torch.device, world: World) -> torch.device:
-    """Each rank's device: its own GPU (by local rank) on CUDA, the CPU otherwise."""
+    """Each rank's device: its own GPU (by local rank) on CUDA — the only one it sees, where the launcher gave each
+    process its own (SLURM's --gpus-per-task, a container per GPU) — the CPU otherwise."""
     if device.type == "cuda" and world.size > 1:
         visible = torch.cuda.device_count()
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible == 1 and hidden is not None and "," not in hidden:  # the launcher bound this process to its GPU
+            torch.cuda.set_device(0)
+            return torch.device("cuda", 0)
         if world.local_rank >= visible:
-            hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
             raise UserError(f"rank {world.rank} has LOCAL_RANK={world.local_rank} but this process sees {visible} "
                             f"CUDA device(s)" + (f" (CUDA_VISIBLE_DEVICES={hidden})" if hidden is not None else "")
-                            + ": start one process per visible GPU, or give every process all the node's GPUs "
-                            "(a launcher that gives each task its own GPU must not also set LOCAL_RANK)")
+                            + ": start one process per visible GPU, or give every process all the node's GPUs")
         torch.cuda.set_device(world.local_rank)
         return torch.device("cuda", world.local_rank)
     return device

@@ -30,6 +30,8 @@ SKIPPED = {
     "torchrun --nnodes 2": "needs several machines",
     "accutrain data=cifar10": "downloads CIFAR-10: needs the internet",
     "accutrain -m hydra/launcher=slurm_gpu": "needs a SLURM cluster with GPUs",
+    "accutrain -m hydra/launcher=slurm_multi": "needs a SLURM cluster with GPUs: tests/parallel/test_scheduler.py "
+                                               "forms such worlds from SLURM's variables and submitit's local jobs",
     "accutrain -m hydra/launcher=joblib": "a pool of worker processes, each importing PyTorch anew: "
                                           "tests/report/test_sweeps.py::test_joblib_launcher_runs_jobs_in_parallel_and_"
                                           "writes_the_summary runs this launcher through the command line",

@@ -22,6 +22,7 @@ from accutrain.config.targets import plugin_failure
 from accutrain.config.train import config_dir, register_schemas
 from accutrain.errors import Preempted, UserError, one_line
 from accutrain.report.sweep import SweepSummary, stopped
+from accutrain.run.scheduler import adopt_scheduler_world
 from accutrain.store import rundir
 from accutrain.store.status import read_status, recorded, write_status
 
@@ -53,6 +54,11 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    try:  # a task of a submitit job with several tasks: its world (the command line adopted srun's already)
+        adopt_scheduler_world()
+    except UserError as e:
+        log.error(one_line(e))
+        sys.exit(2)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
     primary = not torchrun_secondary()  # one process decides about the run directory and records the run
@@ -178,6 +184,11 @@ def check_main() -> None:
 
 def main() -> None:
     import_from_working_directory()
+    try:  # under srun with several tasks: the world SLURM started, as torchrun's variables
+        adopt_scheduler_world()
+    except UserError as e:
+        print(f"accutrain: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
     if torchrun_secondary():
         sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
     before_hydra("accutrain", decide=not torchrun_secondary())  # every rank composes; rank 0 decides

@@ -17,9 +17,11 @@ import torch
 from omegaconf import DictConfig
 
 from accutrain.config.validate import validate
+from accutrain.core.plan import derive_accum
 from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, UserError
+from accutrain.run.scheduler import launcher_name, scheduler_started
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
 from accutrain.signals import SIGNALS, StopRequest, die_with_parent, signal_numbers
@@ -48,9 +50,14 @@ def place(cfg: DictConfig) -> Ranks:
     """The device and the number of ranks the config asks for, checked against the machine. Raises UserError."""
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
-    if world is not None and cfg.devices not in ("auto", world.size):
-        raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
-                        f"or set devices={world.size}")
+    # A scheduler's tasks (srun, a submitit job) are the devices: `devices` left at its default 1 means them too,
+    # as the multi-node presets cannot set it.
+    from_scheduler = scheduler_started() and cfg.devices == 1
+    if world is not None and cfg.devices not in ("auto", world.size) and not from_scheduler:
+        raise UserError(f"devices={cfg.devices} but {launcher_name()} started {world.size} processes: leave "
+                        f"devices=auto or set devices={world.size}")
+    if world is not None and cfg.micro_batch != "auto" and cfg.get("batch_schedule") is None:
+        derive_accum(cfg.micro_batch, world.size, cfg.accum, cfg.global_batch)  # this world's split, one line
     n = world.size if world is not None else count_devices(cfg.devices, device.type)
     if n > 1 and cfg.batchnorm.sync and device.type != "cuda":
         raise UserError("batchnorm.sync=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the CPU (use "
