@@ -96,3 +96,13 @@ def test_auto_workers_only_for_data_read_per_item(tmp_path, monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1})
     assert loader_workers("auto", decoded, 1) == 1 and loader_workers("auto", decoded, 2) == 0
 
+
+
+def test_an_old_spelling_in_a_yaml_file_is_one_line_naming_the_new_key(tmp_path):
+    from conftest import assert_one_line_error, run_cli
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nmodel:\n  norm: group\n")
+    proc = run_cli("--config-dir", str(tmp_path), "+experiment=mine", cwd=tmp_path, check=False)
+    assert_one_line_error(proc, "model.norm (in experiment/mine): model.norm is now batchnorm.convert")
+    assert proc.returncode == 2

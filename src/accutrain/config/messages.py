@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import re
 import typing
 from typing import Any, Iterator, Optional
 
@@ -121,6 +122,10 @@ def explain(error: Exception, overrides: list[str], choices: dict[str, Optional[
         arg = text.split("'")[1]
         return (f"{arg} gives several values: add -m to run one job per value (a sweep), or write "
                 f"{arg.split('=')[0]}=[{arg.split('=', 1)[1]}] for a list")
+    moved = re.search(r"full_key: ([\w.]+)", text)
+    if moved and moved.group(1) in RENAMED:  # an old spelling in a yaml file of the user's
+        where = re.match(r"In '([^']+)'", text)
+        return f"{moved.group(1)}" + (f" (in {where.group(1)})" if where else "") + f": {notice(moved.group(1))}"
     lines = text.split("\nConfig search path")[0].replace("\nSee https", "\nsee https").splitlines()
     return "; ".join(line.strip() for line in lines if line.strip())
 
