@@ -14,8 +14,8 @@ from accutrain import dist
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.run.scheduler import PORTS, adopt_scheduler_world, first_host, slurm_world
-from conftest import (ONE_THREAD, RUN, TINY, assert_identical, assert_one_line_error, assert_same_weights,
-                      cli_command, final_weights, read_metrics, train_here)
+from conftest import (ONE_THREAD, RUN, TINY, assert_identical, assert_one_line_error, assert_same_weights, cli_command,
+                      final_weights, read_metrics, train_here)
 
 UNEVEN = [*TINY, "data.size=117", "trainer.epochs=1", "trainer.grad_clip=0.5", "optim.weight_decay=1e-3"]
 
