@@ -63,7 +63,30 @@ def factory(group: str, node: DictConfig | dict, key: Optional[str] = None
     accutrain applies itself (config.OWN_KEYS). `key` names the node in errors when it is not the group itself."""
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     target = load_target(f"{key or group}._target_", values["_target_"])
-    return target, {k: v for k, v in values.items() if k not in OWN_KEYS[group]}
+    kwargs = {k: v for k, v in values.items() if k not in OWN_KEYS[group]}
+    refuse_unknown_arguments(key or group, values["_target_"], target, kwargs)
+    return target, kwargs
+
+
+def refuse_unknown_arguments(key: str, name: str, target: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """A key of the node that `target` takes no keyword argument for (and no **kwargs) is one line naming the key
+    and the arguments it does take — rather than the TypeError of the call (a `+data.size` the user's factory does
+    not know, or one a preset such as debug=fast adds)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a callable without a signature to read: its own call decides
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        given = ", ".join(f"{key}.{k}={kwargs[k]!r}" for k in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise UserError(f"{given}: {key}._target_={name} takes no argument{plural} {', '.join(map(repr, unknown))} "
+                        f"(its arguments: {', '.join(names) or 'none'}): remove {'them' if plural else 'it'} with "
+                        f"{' '.join(f'~{key}.{k}' for k in unknown)}, or give {name.rsplit('.', 1)[-1]} "
+                        f"the parameter{plural} (or **kwargs)")
 
 
 def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from accutrain.config.validate import validate
+from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, UserError
@@ -51,6 +52,7 @@ def place(cfg: DictConfig) -> Ranks:
     if world is not None and cfg.devices not in ("auto", world.size):
         raise UserError(f"devices={cfg.devices} but torchrun started {world.size} processes: leave devices=auto "
                         f"or set devices={world.size}")
+    auto_needs_budget(cfg, device.type)  # trainer.device=auto found no CUDA device: before the run directory is made
     n = world.size if world is not None else count_devices(cfg.devices, device.type)
     if n > 1 and cfg.model.get("sync_batchnorm") and device.type != "cuda":
         raise UserError("model.sync_batchnorm=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the "
