@@ -1,5 +1,6 @@
 """The checks of a composed config that a type cannot express, run once per start, before anything is written and
-before PyTorch is imported; the batch arithmetic too, where the devices are known (a number, not auto)."""
+before PyTorch is imported; the batch arithmetic too, where the devices are known (a number, not auto). The values
+PyTorch or the maths refuse (the optimizer's, the schedule's, the seeds, …) are in accutrain.config.validate_values."""
 from __future__ import annotations
 
 import math

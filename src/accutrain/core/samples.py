@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from accutrain.errors import UserError, one_line
 
@@ -89,17 +89,20 @@ def collate(fn: Callable[[list], Any], items: list, split: str, indices: Optiona
         raise collate_failure(split, items, indices, e) from e
 
 
-class Named(Dataset):
-    """A split whose samples, read one by one (the held-out loader), fail in one line naming the sample."""
+class NamedSubset(Subset):
+    """A Subset (the held-out loader's: this rank's share) whose samples, read one by one, fail in one line naming
+    the sample by its index in the whole split."""
 
-    def __init__(self, dataset: Dataset, split: str) -> None:
-        self.dataset, self.split = dataset, split
+    def __init__(self, dataset: Dataset, indices: Sequence[int], split: str) -> None:
+        super().__init__(dataset, indices)
+        self.split = split
 
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, idx: int) -> Any:  # type: ignore[override]
+        index = self.indices[idx]
         return read(self.dataset.__getitem__, index, self.split)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:  # Subset's would bypass __getitem__
+        return [self[idx] for idx in indices]
 
 
 class NamedCollate:
