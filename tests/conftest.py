@@ -16,7 +16,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -108,9 +108,17 @@ def train_run(tmp_path: Path, name: str, *args: str, check: bool = True) -> tupl
     return run_dir, proc
 
 
+def strict_json(text: str) -> Any:
+    """json.loads refusing what is not JSON but Python writes by default: NaN, Infinity, -Infinity."""
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON: {text}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(per-step records, evaluation records) of metrics.jsonl."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """(per-step records, evaluation records) of metrics.jsonl, read as strict JSON (NaN or Infinity fail)."""
+    records = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r], [r for r in records if "val_acc" in r]
 
 

@@ -23,8 +23,10 @@ def seed_everything(seed: int) -> None:
 
 
 def derived_seed(seed: int, offset: int) -> int:
-    """The seed of stream `offset` of a run seeded `seed` (an epoch's permutation, a synthetic sample, …)."""
-    return seed * STREAMS + offset
+    """The seed of stream `offset` of a run seeded `seed` (an epoch's permutation, a synthetic sample, …), modulo
+    2**64: torch takes a seed modulo 2**64 itself (a negative one included), so every seed it accepts has its streams
+    and the streams of the seeds that fitted before are unchanged."""
+    return (seed * STREAMS + offset) % 2**64
 
 
 def generator(seed: int, offset: int) -> torch.Generator:

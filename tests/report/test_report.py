@@ -15,7 +15,7 @@ from accutrain.errors import UserError
 from accutrain.report import runs
 from accutrain.report import summary as report
 from accutrain.store.status import add_to_status, current_state, one_line, recorded, write_status
-from conftest import TINY, assert_one_line_error, read_metrics, run_cli, train_run
+from conftest import TINY, assert_one_line_error, read_metrics, run_cli, strict_json, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=4", "accum=2", "trainer.max_steps=4", "trainer.eval_every=2"]
 
@@ -157,6 +157,29 @@ def test_metrics_reader_skips_a_truncated_line_and_keeps_the_latest_record_of_a_
     steps, evals = runs.read_metrics(path)
     assert [(r["step"], r["loss"]) for r in steps] == [(1, 2.0), (2, 1.4)]
     assert [e["val_acc"] for e in evals] == [0.5]
+
+
+def test_metrics_jsonl_is_strict_json_and_a_value_that_is_not_finite_is_null(tmp_path):
+    """An infinite validation loss (a model that puts probability 0 on a target) was written `Infinity`, which only
+    Python's json reads: every record is strict JSON, a non-finite value null, and the report reads it as missing."""
+    from accutrain.train.metrics import MetricsLog
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics.step(dict(step=1, loss=2.0, samples_seen=8, grad_norm=float("nan"), lr=0.1))
+    metrics.evaluation(dict(step=1, epoch=1, val_loss=float("inf"), val_acc=0.5, val_ppl=float("-inf")))
+    metrics.step(dict(step=2, loss=1.0, samples_seen=16, lr=0.1))
+    metrics.evaluation(dict(step=2, epoch=1, val_loss=0.7, val_acc=0.75))
+    metrics.close()
+    steps, evals = read_metrics(run_dir)  # conftest's reader refuses NaN and Infinity
+    assert steps[0]["grad_norm"] is None and steps[0]["loss"] == 2.0
+    assert (evals[0]["val_loss"], evals[0]["val_ppl"], evals[0]["val_acc"]) == (None, None, 0.5)
+    row = runs.read_run(run_dir, "run")
+    assert row.best_val_loss == 0.7 and row.best_val_acc == 0.75 and row.val_curve == [(16, 0.7)]
+    write_status(run_dir, "running")
+    add_to_status(run_dir, best=dict(metric="val_loss", value=float("nan")))
+    assert strict_json((run_dir / "status.json").read_text())["best"]["value"] is None
 
 
 def test_find_runs_orders_jobs_naturally_and_skips_hidden_folders(tmp_path):

@@ -70,7 +70,8 @@ def instantiate(key: str, node: DictConfig | dict, *args: Any) -> Any:
     from hydra.utils import instantiate as hydra_instantiate
 
     values = plain(node)
-    load_target(f"{key}._target_", values["_target_"])
+    target = load_target(f"{key}._target_", values["_target_"])
+    refuse_unknown_arguments(key, values["_target_"], target, {k: v for k, v in values.items() if k != "_target_"})
     values["_target_"] = moved(values["_target_"])
     return hydra_instantiate(values, _partial_=True, _convert_="all")(*args)
 
@@ -88,6 +89,27 @@ def record(node: DictConfig, arguments: dict[str, Any]) -> None:
     with open_dict(node):
         for name, value in arguments.items():
             node[name] = value
+
+
+def refuse_unknown_arguments(key: str, name: str, target: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """A key of the node that `target` takes no keyword argument for (and no **kwargs) is one line naming the key
+    and the arguments it does take — rather than the TypeError of the call (a `+data.size` the user's factory does
+    not know, or one a preset such as debug=fast adds)."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a callable without a signature to read: its own call decides
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in names]
+    if unknown:
+        given = ", ".join(f"{key}.{k}={kwargs[k]!r}" for k in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise UserError(f"{given}: {key}._target_={name} takes no argument{plural} {', '.join(map(repr, unknown))} "
+                        f"(its arguments: {', '.join(names) or 'none'}): remove {'them' if plural else 'it'} with "
+                        f"{' '.join(f'~{key}.{k}' for k in unknown)}, or give {name.rsplit('.', 1)[-1]} "
+                        f"the parameter{plural} (or **kwargs)")
 
 
 def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:

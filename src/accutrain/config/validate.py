@@ -1,13 +1,16 @@
 """The checks of a composed config that a type cannot express, run once per start, before anything is written and
-before PyTorch is imported; the batch arithmetic too, where the devices are known (a number, not auto)."""
+before PyTorch is imported; the batch arithmetic too, where the devices are known (a number, not auto). The values
+PyTorch or the maths refuse (the optimizer's, the schedule's, the seeds, …) are in accutrain.config.validate_values."""
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain.config.validate_values import check_values
 from accutrain.core.monitor import METRICS
 from accutrain.core.options import LRScaling
 from accutrain.core.plan import derive_accum
@@ -52,7 +55,7 @@ def validate(cfg: DictConfig) -> None:
     if t.overwrite and cfg.resume is not None:
         raise UserError(f"resume={cfg.resume} continues a run and trainer.overwrite=true deletes the run directory's "
                         "earlier run: choose one")
-    if t.grad_clip is not None and t.grad_clip <= 0:
+    if t.grad_clip is not None and not t.grad_clip > 0:  # NaN too
         raise UserError(f"trainer.grad_clip={t.grad_clip} is not valid: expected a positive norm or null")
     if cfg.get("batch_schedule") is not None and (cfg.accum is not None or cfg.global_batch is not None):
         key = "accum" if cfg.accum is not None else "global_batch"
@@ -67,12 +70,12 @@ def validate(cfg: DictConfig) -> None:
         derive_accum(cfg.micro_batch, cfg.devices, cfg.accum, cfg.global_batch)
     if t.accum_dtype not in (None, "float32"):
         raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
-    if t.dist_timeout_s <= 0:
+    if not t.dist_timeout_s > 0:
         raise UserError(f"trainer.dist_timeout_s={t.dist_timeout_s} is not valid: expected a positive number of "
                         "seconds")
     if t.get("export") not in (None, "hf"):
         raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
-    if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
+    if t.memory_budget_mb is not None and not t.memory_budget_mb > 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.batchnorm.groups < 1:
         raise UserError(f"batchnorm.groups={cfg.batchnorm.groups} is not valid: expected a positive integer")
@@ -82,8 +85,6 @@ def validate(cfg: DictConfig) -> None:
                         "the training process reads the data itself)")
     if cfg.sched.warmup_steps < 0:
         raise UserError(f"sched.warmup_steps={cfg.sched.warmup_steps} is not valid: expected 0 or more")
-    if cfg.optim.lr <= 0:
-        raise UserError(f"optim.lr={cfg.optim.lr} is not valid: expected a positive learning rate")
     if cfg.scaling.base_batch is not None and cfg.scaling.base_batch < 1:
         raise UserError(f"scaling.base_batch={cfg.scaling.base_batch} is not valid: expected a positive batch size or "
                         "null")
@@ -104,8 +105,8 @@ def validate(cfg: DictConfig) -> None:
     if t.early_stopping is not None and t.early_stopping < 1:
         raise UserError(f"trainer.early_stopping={t.early_stopping} is not valid: expected a patience of 1 or more "
                         "evaluations, or null")
-    if t.min_delta < 0:
-        raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected 0 or more")
+    if not 0 <= t.min_delta < math.inf:  # NaN would never let an evaluation improve
+        raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected a finite number, 0 or more")
     validate_compile(t)
     augment_and_loss(cfg)
     for name in t.preempt_signals:
@@ -113,6 +114,7 @@ def validate(cfg: DictConfig) -> None:
             raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
                             "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
     validate_strategy(cfg)
+    check_values(cfg)
 
 
 def augment_and_loss(cfg: DictConfig) -> None:
@@ -139,7 +141,7 @@ def augment_and_loss(cfg: DictConfig) -> None:
         raise UserError(f"{key}.eval_crop_ratio={a.eval_crop_ratio} is not valid: expected 0 < ratio <= 1 (0.875: "
                         "resize to image_size / 0.875, centre-crop image_size)")
     for name in ("mixup_alpha", "cutmix_alpha"):
-        if a[name] < 0:
+        if not 0 <= a[name] < math.inf:
             raise UserError(f"{key}.{name}={a[name]} is not valid: expected 0 (off) or a positive Beta(α, α) "
                             "parameter (e.g. 0.2 for MixUp, 1.0 for CutMix)")
     if not 0 <= cfg.loss.label_smoothing < 1:

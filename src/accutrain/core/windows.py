@@ -16,9 +16,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from accutrain import seeding
+from accutrain.core import samples
 from accutrain.core.batches import Batch, BatchFormat
 from accutrain.core.mixing import Mix, Mixer
 from accutrain.core.plan import BatchPlan
+from accutrain.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,12 @@ class WindowData(Dataset):
     def item(self, epoch: int, index: int) -> Any:
         """Sample `index` as epoch `epoch` sees it."""
         view = getattr(self.dataset, "view", None)
-        return view(epoch, index) if view is not None else self.dataset[index]
+        try:
+            return view(epoch, index) if view is not None else self.dataset[index]
+        except UserError:
+            raise
+        except Exception as e:  # in a loader worker too: one line naming the sample, not the worker's traceback
+            raise samples.sample_failure("training", index, e) from e
 
     def __getitems__(self, micro_batch: MicroBatch) -> tuple[Window, Batch]:
         if not micro_batch:
@@ -181,7 +188,7 @@ class WindowData(Dataset):
         if self.mixer is not None and micro_batch.mixes is not None:
             items = [self.mixer.mixed(item, self.item(epoch, mix.partner) if mix.lam < 1.0 else None, mix)
                      for item, mix in zip(items, micro_batch.mixes)]
-        return micro_batch.window, self.format(items)
+        return micro_batch.window, samples.collate(self.format, items, "training", micro_batch)
 
     def unmixed(self, items: list[Any]) -> list[Any]:
         """Items as the loss takes them: with a mixer, soft (one-hot) targets."""

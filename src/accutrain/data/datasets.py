@@ -11,9 +11,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from accutrain.config.schemas import Crop
+from accutrain.core.samples import NamedCollate, NamedSubset
 from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.errors import UserError
 from accutrain.seeding import generator
@@ -254,9 +255,12 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory:
     # Each iterator a DataLoader makes draws its workers' base seed from `generator`, or without one from torch's
     # global RNG. With persistent workers the iterator is made once per process: at the first evaluation of an
     # uninterrupted run, at the first one after the checkpoint of a resumed run — a draw the other run did not make.
-    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                      generator=torch.Generator().manual_seed(seed))
+    # A sample that fails to be read or collated is one line naming it (in a worker too), indexed as in the split.
+    named = (NamedSubset(dataset.dataset, dataset.indices, "held-out") if isinstance(dataset, Subset)
+             else NamedSubset(dataset, range(len(dataset)), "held-out"))  # type: ignore[arg-type]
+    return DataLoader(named, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      collate_fn=NamedCollate(collate or default_collate, "held-out"), pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
 
 
 def describe_split_sizes(ds: Datasets) -> str:

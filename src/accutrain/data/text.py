@@ -38,8 +38,18 @@ class Tokenized(Dataset):
         return self.items[i]
 
 
+class Record(dict):
+    """A sample as read: a .jsonl file's JSON object, or a .txt file's line as {"text": line}; `line` is its line
+    number in the file, for messages."""
+
+    def __init__(self, fields: dict[str, Any], line: int) -> None:
+        super().__init__(fields)
+        self.line = line
+
+
 def read_records(path: str, key: str) -> list[dict[str, Any]]:
-    """A .txt file's non-empty lines as {"text": line}, or a .jsonl file's objects (one per non-empty line)."""
+    """A .txt file's non-empty lines as {"text": line}, or a .jsonl file's objects (one per non-empty line), each a
+    Record knowing its line."""
     file = Path(path).expanduser()
     if file.suffix not in (".txt", ".jsonl"):
         raise UserError(f"{key}={path}: expected a .txt file (a sample per line) or a .jsonl file (a JSON object "
@@ -49,7 +59,7 @@ def read_records(path: str, key: str) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{key}={path}: cannot read it ({e})") from None
     if file.suffix == ".txt":
-        records = [{"text": line} for line in lines if line.strip()]
+        records = [Record({"text": line}, number) for number, line in enumerate(lines, 1) if line.strip()]
     else:
         records = []
         for number, line in enumerate(lines, 1):
@@ -61,7 +71,7 @@ def read_records(path: str, key: str) -> list[dict[str, Any]]:
                 raise UserError(f"{file}:{number} is not JSON ({e})") from None
             if not isinstance(record, dict):
                 raise UserError(f"{file}:{number}: expected a JSON object per line, got {type(record).__name__}")
-            records.append(record)
+            records.append(Record(record, number))
     if not records:
         raise UserError(f"{key}={path} holds no sample")
     return records
@@ -92,9 +102,11 @@ def encode(records: list[dict], tok: Any, fields: dict[str, str], lm: bool, igno
     """(token ids, labels) per record: labels = ids (LM; prompt tokens ignored), empty for classification."""
     text, prompt, response = fields["text"], fields["prompt"], fields["response"]
     if all(text in r for r in records):
+        strings(records, (text,), where)
         ids = tok([r[text] for r in records])["input_ids"]
         prompt_lengths = [0] * len(records)
     elif lm and all(prompt in r and response in r for r in records):
+        strings(records, (prompt, response), where)
         ids = tok([r[prompt] + r[response] for r in records])["input_ids"]
         alone = tok([r[prompt] for r in records])["input_ids"]
         prompt_lengths = [common_prefix(a, b) for a, b in zip(alone, ids)]
@@ -111,6 +123,15 @@ def encode(records: list[dict], tok: Any, fields: dict[str, str], lm: bool, igno
         labels = [ignore_index] * masked + sample[masked:] if lm else []
         out.append((sample, labels))
     return out
+
+
+def strings(records: list[dict], keys: tuple[str, ...], where: str) -> None:
+    """Refuse, naming the file and the line, a record whose field `keys` is not a string (the tokenizer's input)."""
+    for r in records:
+        for key in keys:
+            if not isinstance(r[key], str):
+                raise UserError(f"{where}:{getattr(r, 'line', '?')}: \"{key}\" is {json.dumps(r[key])}: expected a "
+                                "string (the text to tokenize)")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

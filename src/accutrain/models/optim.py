@@ -22,8 +22,8 @@ def param_groups(model: Params, weight_decay: float) -> list[dict]:
 
 def sgd(model: Params, lr: float, momentum: float = 0.9, nesterov: bool = False,
         weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum,
-                           nesterov=nesterov and momentum > 0)
+    """SGD; nesterov needs momentum > 0 (torch.optim.SGD refuses it otherwise, as accutrain's config check does)."""
+    return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 def adamw(model: Params, lr: float, betas: Iterable[float] = (0.9, 0.999), eps: float = 1e-8,

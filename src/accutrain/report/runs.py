@@ -138,7 +138,8 @@ def read_run(run_dir: Path, job: str) -> RunRow:
     if isinstance(best, dict):
         row.monitor, row.monitor_mode = best.get("metric"), best.get("mode")
         row.best, row.best_step = best.get("value"), best.get("step")
-    row.val_curve = [(seen_at[r["step"]], r["val_loss"]) for r in evals if r["step"] in seen_at and "val_loss" in r]
+    row.val_curve = [(seen_at[r["step"]], r["val_loss"]) for r in evals  # null: a value that was not finite
+                     if r["step"] in seen_at and isinstance(r.get("val_loss"), (int, float))]
     return row
 
 

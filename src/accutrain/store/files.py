@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Union
@@ -38,6 +39,26 @@ def write_atomic(path: Path, content: Content, durable: bool = False) -> None:
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with every float that is not finite (NaN, ±infinity) made None, in dicts, lists and tuples too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def json_text(record: Any) -> str:
+    """`record` as strict JSON, which has no NaN or Infinity: a value that is not finite is written null (as
+    metrics.jsonl writes a non-finite loss), so that every JSON reader, not Python's alone, parses the file."""
+    try:
+        return json.dumps(record, allow_nan=False)  # the common case: nothing to replace, nothing copied
+    except ValueError:
+        return json.dumps(finite_json(record), allow_nan=False)
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

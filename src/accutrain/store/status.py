@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from accutrain.errors import Preempted, one_line
-from accutrain.store.files import write_atomic
+from accutrain.store.files import json_text, write_atomic
 
 STATUS_FILE = "status.json"
 FINAL_STATES = ("completed", "failed", "interrupted", "requeued")  # requeued: preempted, to resume under submitit
@@ -47,7 +47,7 @@ def add_to_status(run_dir: Path, **fields: Any) -> None:
 def _write(run_dir: Path, record: dict[str, Any]) -> None:
     path = run_dir / STATUS_FILE
     try:
-        write_atomic(path, json.dumps(record) + "\n")
+        write_atomic(path, json_text(record) + "\n")
     except OSError as e:
         log.warning(f"could not record the run's status in {path}: {e}")
 

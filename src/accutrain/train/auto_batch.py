@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from accutrain import dist
+from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.batches import Batch, PadCollate, batch_format
 from accutrain.core.grad_buffers import BufferSpec
 from accutrain.core.loss import SummedLoss
@@ -36,9 +37,7 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     rank follows its answer: a hit on some ranks and a miss on others would leave the latter waiting in the
     search's all-reduce. `buffers`: the run's gradient buffers, which the trial steps hold too."""
     budget = cfg.trainer.memory_budget_mb
-    if device.type == "cpu" and budget is None:
-        raise UserError("micro_batch=auto on the CPU needs trainer.memory_budget_mb=N: the peak memory (MiB) a "
-                        "training step may reach, since the CPU has no out-of-memory error to detect")
+    auto_needs_budget(cfg, device.type)
     schedule = cfg.get("batch_schedule")
     total = math.gcd(*schedule.batch) if schedule is not None else cfg.global_batch  # what every window is made of
     if total % world.size:

@@ -16,7 +16,7 @@ from torch.utils.data import Subset
 from accutrain import dist
 from accutrain.config.targets import instantiate, record, run_arguments
 from accutrain.core import compiled, lr_scaling
-from accutrain.core.batches import BatchFormat, batch_format
+from accutrain.core.batches import BatchFormat
 from accutrain.core.grad_buffers import grad_buffer_spec
 from accutrain.core.loss import make_loss
 from accutrain.core.mixing import make_mixer
@@ -25,7 +25,7 @@ from accutrain.core.plan import make_plan
 from accutrain.core.precision import Precision, make_precision
 from accutrain.core.windows import WindowSampler, window_loader
 from accutrain.data import datasets as data
-from accutrain.data import views
+from accutrain.data import checks as data_checks
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import factories as models
@@ -48,10 +48,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     # so that the run's config.yaml holds the whole call (hydra.utils.instantiate rebuilds each part from it).
     record(cfg.data, run_arguments("data", cfg.data, dict(seed=cfg.seed)))  # the run's seed, unless given
     with main_first(world), torch.random.fork_rng(devices=[]):
-        datasets: data.Datasets = instantiate("data", cfg.data)
-    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
+        made = instantiate("data", cfg.data)
+    # Its views (augment=) and batch format, the data checked once: what it is, its first window, its targets.
+    datasets, batches = data_checks.prepare(made, cfg)
     precision = make_precision(trainer.precision, device)
-    batches = batch_format(cfg.loader, datasets.collate)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))

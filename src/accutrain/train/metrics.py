@@ -1,7 +1,6 @@
 """metrics.jsonl, the progress bar (it counts optimizer steps, never micro-batches) and the final summary."""
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -10,12 +9,13 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
+from accutrain.store.files import json_text
 from accutrain.trackers import Trackers
 
 
 class MetricsLog:
-    """Appends one JSON object per line; the optimizer steps' and evaluations' records go to the trackers as well,
-    as written.
+    """Appends one JSON object per line (strict JSON: a value that is not finite, an infinite val_loss say, is
+    null); the optimizer steps' and evaluations' records go to the trackers as well, as measured.
 
     Step records are buffered and written together — every `FLUSH_RECORDS` records or `FLUSH_S` seconds, at each
     evaluation, before each checkpoint (the loop calls flush()) and at close — so a killed run loses only records
@@ -39,7 +39,7 @@ class MetricsLog:
     def flush(self) -> None:
         """Put every pending record in the file (one write) and hand it to the OS."""
         if self.file is not None and self.pending:
-            self.file.write("".join(json.dumps(record) + "\n" for record in self.pending))
+            self.file.write("".join(json_text(record) + "\n" for record in self.pending))
             self.file.flush()
         self.pending.clear()
         self.flushed = time.monotonic()
