@@ -3,6 +3,7 @@ checkpoint to resume from, and loading it into a run, refusing one of another mo
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -79,6 +80,7 @@ def restore(c: Components, path: Path) -> Progress:
         raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {c.plan.train_size}: "
                         "resuming needs the same training set")
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, c.cfg)
+    say_another_precision(path, state.get("config") or {}, c.cfg)
     try:  # the model, optimizer and EMA (from a sharded checkpoint's shards too)
         c.strategy.load(c.model, c.optimizer, c.ema, state, path)
     except RuntimeError as e:
@@ -109,11 +111,16 @@ def restore(c: Components, path: Path) -> Progress:
     if saved["total_steps"] != c.plan.total_steps:
         log.info(f"the checkpoint's run planned {saved['total_steps']} optimizer steps, this one "
                  f"{c.plan.total_steps}: the schedule follows this run's plan")
-    if len(state["rng"]) == c.world.size:
-        checkpoint.set_rng_state(state["rng"][c.world.rank])
+    rngs = state.get("rng")
+    if isinstance(rngs, list) and len(rngs) == c.world.size:
+        checkpoint.set_rng_state(rngs[c.world.rank])
     else:
-        log.info(f"the checkpoint holds RNG states for {len(state['rng'])} rank(s), this run has {c.world.size}: "
-                 "dropout and augmentation draw new random numbers (the data order is unchanged)")
+        if isinstance(rngs, list):
+            log.info(f"the checkpoint holds RNG states for {len(rngs)} rank(s), this run has {c.world.size}: "
+                     "dropout and augmentation draw new random numbers (the data order is unchanged)")
+        else:
+            log.warning(f"{path} holds no RNG states: dropout and augmentation draw new random numbers (the data "
+                        "order is unchanged)")
         torch.manual_seed(derived_seed(c.cfg.seed, p.step * 101 + c.world.rank))
     log.info(f"resumed from {path} at optimizer step {p.step} (epoch {p.epoch + 1}, window {p.window})")
     return p
@@ -121,10 +128,16 @@ def restore(c: Components, path: Path) -> Progress:
 
 def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
     """The seed decides every epoch's order of samples, so resuming with another one would change the data order
-    mid-epoch; another optimizer cannot take the checkpoint's optimizer state. Both are refused in one line."""
+    mid-epoch; data.seed decides the data itself (generated samples, the held-out split), so another one continues on
+    other data; another optimizer cannot take the checkpoint's optimizer state. Each is refused in one line."""
     if "seed" in saved and saved["seed"] != cfg.seed:
         raise UserError(f"{path} was trained with seed={saved['seed']}; this run has seed={cfg.seed}: the seed decides "
                         f"the order of the samples, so resuming needs the same seed (seed={saved['seed']})")
+    data_seed = (saved.get("data") or {}).get("seed")
+    if data_seed is not None and "seed" in cfg.data and data_seed != cfg.data.seed:
+        raise UserError(f"{path} was trained with data.seed={data_seed}; this run has data.seed={cfg.data.seed}: it "
+                        "decides which samples the data holds (or which are held out), so resuming needs the same "
+                        f"data.seed (data.seed={data_seed})")
     target = (saved.get("optim") or {}).get("_target_")
     if target is not None and target != cfg.optim._target_:
         raise UserError(f"{path} was trained with the optimizer {target}; this run uses {cfg.optim._target_}: resuming "
@@ -132,10 +145,43 @@ def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: Dic
                             "accutrain.models.optim.") else f"optim._target_={target}") + ")")
 
 
-def keep_metrics_until(path: Path, step: int) -> None:
+def say_another_precision(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
+    """Resuming in another trainer.precision is allowed (the weights and optimizer state load in any), and said."""
+    before = (saved.get("trainer") or {}).get("precision")
+    now = str(cfg.trainer.precision)
+    if before is not None and str(before) != now:
+        log.warning(f"resuming with trainer.precision={now}; {path} was trained with trainer.precision={before}: "
+                    "the steps from here are computed in another precision (the run is no longer one precision's)")
+
+
+def keep_metrics_until(path: Path, step: int, aside: Optional[Path] = None) -> None:
     """Drop what a killed run logged after its checkpoint (and a half-written last line) before resuming there; the
-    file is replaced whole (write_atomic), so a kill during the trim leaves the history as it was."""
-    if path.is_file():
-        kept = [line for line, record in read_jsonl(path) if record.get("step", 0) <= step]
-        write_atomic(path, "".join(line + "\n" for line in kept), durable=True)
+    file is replaced whole (write_atomic), so a kill during the trim leaves the history as it was. aside: the folder
+    an abandoned branch's checkpoints went to; the records dropped go there too (aside/metrics.jsonl)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], []
+    for line, record in read_jsonl(path):
+        (kept if record.get("step", 0) <= step else dropped).append(line + "\n")
+    if aside is not None and dropped:
+        write_atomic(aside / path.name, "".join(dropped), durable=True)
+    write_atomic(path, "".join(kept), durable=True)
+
+
+def start_branch(run_dir: Path, step: int, resumed: bool) -> None:
+    """This run goes on from optimizer step `step` (0: from scratch) in run_dir: the checkpoints of later steps are
+    set aside (checkpoint.Rotation.set_aside) with the records metrics.jsonl holds of those steps; without them, what
+    a killed run logged after its checkpoint is dropped, or (from scratch) what a run before it logged."""
+    aside = checkpoint.Rotation(run_dir / "checkpoints", 0).set_aside(step)
+    if aside is not None:
+        log.warning(f"this run goes on from optimizer step {step}, and {run_dir / 'checkpoints'} held checkpoints of "
+                    f"later steps (another branch, or unreadable): moved to {aside} (kept; they no longer count "
+                    "for rotation or resume=auto)")
+    metrics = run_dir / "metrics.jsonl"
+    if resumed:
+        keep_metrics_until(metrics, step, aside)
+    elif aside is not None and metrics.is_file():
+        os.replace(metrics, aside / metrics.name)
+    else:
+        metrics.unlink(missing_ok=True)
 
