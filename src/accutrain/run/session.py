@@ -26,7 +26,7 @@ from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
 from accutrain.train.metrics import MetricsLog, summary_line
-from accutrain.train.resume import checkpoint_state, find_resume, restore, start_branch
+from accutrain.train.resume import checkpoint_state, resume_point, start_branch
 
 log = logging.getLogger("accutrain")
 
@@ -49,8 +49,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
             (log.info if result.faithful else log.warning)(f"check: {line}")
     if cfg.trainer.check:
         dist.wait_for_main(world)  # the other ranks wait for rank 0's check, however long it takes
-    resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
-    progress = restore(c, resume_from) if resume_from else Progress()
+    resume_from, progress = resume_point(c, run_dir)
     save = Checkpoints(c, run_dir / "checkpoints", trackers)
     if progress.step >= c.plan.total_steps:  # before anything is written: the run's record stays as it was
         log.info(f"the checkpoint is at optimizer step {progress.step}, the end of this run's plan "

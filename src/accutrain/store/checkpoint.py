@@ -156,22 +156,26 @@ class Rotation:
         save_atomic(state, path)
         return path
 
-    def latest_good(self) -> Optional[tuple[Path, dict[str, Any]]]:
+    def latest_good(self, passed: Optional[set[Path]] = None) -> Optional[tuple[Path, dict[str, Any]]]:
         """The newest checkpoint that loads, last.pt included (a last.pt that is no step file's link counts by the
-        step it holds); an unreadable one is reported and the previous one tried."""
-        candidates: list[tuple[int, Path]] = [(step_number(p), p) for p in self.steps()]
+        step it holds), but those `passed`; an unreadable one is reported (and added to `passed`) and the previous
+        one tried."""
+        passed = set() if passed is None else passed
+        candidates: list[tuple[int, Path]] = [(step_number(p), p) for p in self.steps() if p not in passed]
         last = self.directory / "last.pt"
-        if last.is_file() and not any(same_file(last, p) for _, p in candidates):
+        if last.is_file() and last not in passed and not any(same_file(last, p) for _, p in candidates):
             try:
                 candidates.append((int(load(last, mmap=True)["step"]), last))
             except (UserError, KeyError, TypeError, ValueError) as e:
                 log.warning(f"resume=auto: {e if isinstance(e, UserError) else f'{last} holds no step'}; "
                             "it is not used")
+                passed.add(last)
         candidates.sort(key=lambda c: c[0], reverse=True)  # a tie: the step file first (same state, named by step)
         for i, (_, path) in enumerate(candidates):
             try:
                 return path, load(path)
             except UserError as e:
+                passed.add(path)
                 fallback = candidates[i + 1][1].name if i + 1 < len(candidates) else "none left: starting from scratch"
                 log.warning(f"resume=auto: {e}; falling back to the previous checkpoint ({fallback})")
         return None

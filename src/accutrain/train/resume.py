@@ -12,7 +12,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain.core.progress import Progress
-from accutrain.errors import UserError
+from accutrain import dist
+from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint
 from accutrain.store.files import read_jsonl, write_atomic
@@ -38,8 +39,34 @@ def checkpoint_state(c: Components, p: Progress) -> tuple[dict[str, Any], Option
     ), shards
 
 
-def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
-    """The checkpoint `resume` names: a file, a run directory, or auto (this run directory's newest good one)."""
+def resume_point(c: Components, run_dir: Path) -> tuple[Optional[Path], Progress]:
+    """The checkpoint this run resumes from (rank 0's find_resume, for every rank) loaded into the run, and where the
+    run is; with resume=auto one found corrupt only as it loads (a sharded checkpoint's garbled shard: every rank
+    raises it) is passed over for the previous one. Collective."""
+    passed: set[Path] = set()  # (rank 0's: those find_resume found unreadable, and those that failed to load)
+    last_failed: Optional[Path] = None
+    while True:
+        found = find_resume(c.cfg, run_dir, passed) if c.world.main else None
+        path = dist.broadcast_from_main(found, c.world)
+        if path is None:
+            if last_failed is not None:  # the weights may hold part of what failed to load: not a start from scratch
+                raise UserError(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'} loads (the last tried: "
+                                f"{last_failed.name}): resume=<a checkpoint> goes on from another, "
+                                "trainer.overwrite=true starts afresh")
+            return None, Progress()
+        try:
+            return path, restore(c, path)
+        except CorruptCheckpoint as e:
+            if c.cfg.resume != "auto":
+                raise
+            log.warning(f"resume=auto: {e}; falling back to the previous checkpoint")
+            passed.add(path)
+            last_failed = path
+
+
+def find_resume(cfg: DictConfig, run_dir: Path, passed: Optional[set[Path]] = None) -> Optional[Path]:
+    """The checkpoint `resume` names: a file, a run directory, or auto (this run directory's newest good one, but
+    those `passed`; those found unreadable are added to it)."""
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
@@ -54,7 +81,7 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
             raise UserError(f"resume={cfg.resume}: no such checkpoint file or run directory")
         else:
             return where
-    found = checkpoint.Rotation(where, cfg.trainer.keep_checkpoints).latest_good()
+    found = checkpoint.Rotation(where, cfg.trainer.keep_checkpoints).latest_good(passed)
     if found is None:
         if cfg.resume != "auto":
             raise UserError(f"resume={cfg.resume}: no readable checkpoint in {where}")
