@@ -56,7 +56,9 @@ def test_a_resume_from_an_earlier_checkpoint_starts_a_branch_that_resume_auto_co
     aside = sorted((run / "checkpoints").glob("abandoned-*"))
     assert len(aside) == 1, sorted(p.name for p in (run / "checkpoints").iterdir())
     assert {"step-00000015.pt", "step-00000020.pt", "last.pt"} <= {p.name for p in aside[0].iterdir()}
-    assert torch.load(aside[0] / "step-00000020.pt", weights_only=True)["config"]["optim"]["lr"] != 0.01
+    old_end = torch.load(aside[0] / "step-00000020.pt", weights_only=True)
+    assert old_end["config"]["optim"]["lr"] != 0.01  # the first run's end, kept aside, is not the branch's
+    assert any(not torch.equal(old_end["model"][k], v) for k, v in final_weights(resumed).items())
     kept = [json.loads(line) for line in (aside[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in kept if "loss" in r] == [first[s]["loss"] for s in range(11, 21)]
     top = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
@@ -153,3 +155,18 @@ def test_another_data_seed_is_refused_and_another_precision_said(tmp_path):
     _, log = train_here(tmp_path, "bf16", *QUICK, "trainer.max_steps=3", "trainer.precision=bf16-mixed",
                         f"resume={run_dir}")
     assert "resuming with trainer.precision=bf16-mixed" in log and "was trained with trainer.precision=32" in log
+
+
+def test_a_resume_with_another_learning_rate_follows_it_from_its_place_in_the_schedule(tmp_path):
+    """Loading the optimizer and scheduler states used to bring back the checkpoint's learning rate and weight decay
+    silently: the branch of item 3 (`optim.lr=0.01`) trained with the old rate, and config.yaml said otherwise."""
+    args = [*QUICK, "trainer.max_steps=4", "sched=cosine"]
+    whole, _ = train_here(tmp_path, "whole", *args)
+    run_dir, _ = train_here(tmp_path, "run", *args, "trainer.checkpoint_every=2")
+    _, log = train_here(tmp_path, "branch", *args, "optim.lr=0.5", "optim.weight_decay=0.01",
+                        f"resume={run_dir / 'checkpoints' / 'step-00000002.pt'}")
+    assert "resuming with optimizer settings other than those" in log
+    assert "(weight_decay 0.0005 → 0.01, lr 0.05 → 0.5): this run's config applies from here" in log
+    lrs = {r["step"]: r["lr"] for r in read_metrics(whole)[0]}
+    branch = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "branch")[0]}
+    assert branch == {s: pytest.approx(lrs[s] * 10) for s in (3, 4)}  # the same place in the cosine, 10 × the rate

@@ -108,6 +108,8 @@ def restore(c: Components, path: Path) -> Progress:
                         "resuming needs the same training set")
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, c.cfg)
     say_another_precision(path, state.get("config") or {}, c.cfg)
+    fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in c.optimizer.param_groups]
+    fresh_base = list(getattr(c.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor
     try:  # the model, optimizer and EMA (from a sharded checkpoint's shards too)
         c.strategy.load(c.model, c.optimizer, c.ema, state, path)
     except RuntimeError as e:
@@ -121,6 +123,7 @@ def restore(c: Components, path: Path) -> Progress:
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(f"{path}: its scheduler state does not fit this run's scheduler ({c.cfg.sched._target_}): "
                         f"{type(e).__name__}: {e}") from None
+    follow_this_runs_optimizer(c, path, fresh, fresh_base)
     if c.precision.scaler and state.get("scaler"):
         c.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
@@ -170,6 +173,39 @@ def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: Dic
         raise UserError(f"{path} was trained with the optimizer {target}; this run uses {cfg.optim._target_}: resuming "
                         "needs the same optimizer (" + (f"optim={target.rsplit('.', 1)[-1]}" if target.startswith(
                             "accutrain.models.optim.") else f"optim._target_={target}") + ")")
+
+
+def follow_this_runs_optimizer(c: Components, path: Path, fresh: list[dict[str, Any]], fresh_base: list[float]
+                               ) -> None:
+    """Loading the optimizer and scheduler states brings back the checkpoint's settings (learning rate, weight
+    decay, momentum, …) with the moments; this run's config (what config.yaml records) wins, and a change is said in
+    one line. The learning rate keeps its place in the schedule: lr = this run's base lr × the schedule's factor."""
+    changed = []
+    for group, own in zip(c.optimizer.param_groups, fresh):
+        for key, value in own.items():
+            if key in group and differs(group[key], value):
+                changed.append(f"{key} {group[key]} → {value}")
+                group[key] = value
+    base = getattr(c.scheduler, "base_lrs", None)
+    if base is not None and len(base) == len(fresh_base) and list(base) != fresh_base:
+        changed.append(f"lr {base[0]:g} → {fresh_base[0]:g}")
+        for group, old, new in zip(c.optimizer.param_groups, base, fresh_base):
+            group["lr"] = group["lr"] * new / old if old else new
+            group["initial_lr"] = new
+        c.scheduler.base_lrs = list(fresh_base)
+        c.scheduler._last_lr = [group["lr"] for group in c.optimizer.param_groups]  # what get_last_lr() reports
+    if changed:
+        log.warning(f"resuming with optimizer settings other than those {path} was trained with "
+                    f"({', '.join(dict.fromkeys(changed))}): this run's config applies from here")
+
+
+def differs(a: Any, b: Any) -> bool:
+    """Whether two optimizer settings differ (a tuple and the list a state dict made of it do not)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+    return a != b
 
 
 def say_another_precision(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
