@@ -170,3 +170,15 @@ def test_a_resume_with_another_learning_rate_follows_it_from_its_place_in_the_sc
     lrs = {r["step"]: r["lr"] for r in read_metrics(whole)[0]}
     branch = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "branch")[0]}
     assert branch == {s: pytest.approx(lrs[s] * 10) for s in (3, 4)}  # the same place in the cosine, 10 × the rate
+
+
+def test_overwrite_deletes_the_abandoned_branches_too(tmp_path):
+    """trainer.overwrite=true deletes what the earlier run wrote: the branches a resume moved aside are its too."""
+    from accutrain.store import rundir
+
+    aside = tmp_path / "checkpoints" / "abandoned-20261125-101500"
+    aside.mkdir(parents=True)
+    (aside / "step-00000020.pt").write_bytes(b"old")
+    (tmp_path / "checkpoints" / "mine.txt").write_text("a file of the user's own stays")
+    assert "checkpoints/abandoned-20261125-101500/" in rundir.clear(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["mine.txt"]

@@ -60,6 +60,7 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
         cfg.resume = "auto"
     in_use = False  # another run holds the directory: nothing of its may be written
     earlier_files = command.earlier_records.pop(os.path.abspath(run_dir), None) if primary else None
+    outcome = Recorded()  # kept: the command changed nothing in run_dir (loss.png is not drawn again either)
     try:  # a single run's values and ranks were checked before Hydra ran (command.check); a sweep's job's here
         ranks = command.checked if command.checked is not None and not multirun else preflight(cfg)
         if primary:
@@ -77,7 +78,6 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
                 write_status(run_dir, "failed", one_line(e))
             return None
         sys.exit(2)
-    outcome = Recorded()
     try:
         with recorded(run_dir, earlier_files) if primary else nullcontext(outcome) as outcome:  # status.json
             out = train(cfg, run_dir, log_config, ranks)
