@@ -188,7 +188,7 @@ class Rotation:
         later = [p for p in self.steps() if step_number(p) > step]
         for name in ("last.pt", "last", "best.pt", "best"):
             path = self.directory / name
-            if (path.exists() or path.is_symlink()) and path not in later and self._step_held(path, later) > step:
+            if (path.exists() or path.is_symlink()) and self._step_held(path, later) > step:
                 later.append(path)
         if not later:
             return None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from accutrain.errors import Preempted, one_line
-from accutrain.store import record
+from accutrain.store.record import Files, put_back as put_files_back
 from accutrain.store.files import write_atomic
 
 STATUS_FILE = "status.json"
@@ -112,7 +112,7 @@ class Recorded:
 
 
 @contextmanager
-def recorded(run_dir: Path, earlier_files: Optional[record.Files] = None) -> Iterator[Recorded]:
+def recorded(run_dir: Path, earlier_files: Optional[Files] = None) -> Iterator[Recorded]:
     """Mark the run running, then completed, failed (error in one line) or interrupted (a signal); re-raises.
 
     A command continuing an earlier run (its status.json is there) that ends before it takes the directory over —
@@ -131,8 +131,8 @@ def recorded(run_dir: Path, earlier_files: Optional[record.Files] = None) -> Ite
             _write(run_dir, {**{k: v for k, v in before.items() if k != "error"}, "state": "completed",
                              "ended": _now()})
         else:
-            record.put_back({path: earlier})
-        record.put_back(earlier_files or {})
+            put_files_back({path: earlier})
+        put_files_back(earlier_files or {})
         outcome.kept = True
         return True
 

@@ -11,8 +11,8 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from accutrain.core.progress import Progress
 from accutrain import dist
+from accutrain.core.progress import Progress
 from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint
