@@ -11,6 +11,11 @@ class NonFinite(UserError):
     checkpoint is."""
 
 
+class CorruptCheckpoint(UserError):
+    """A checkpoint whose bytes cannot be read (found only while loading it, as a sharded one's shards are):
+    resume=auto goes on to the previous one."""
+
+
 class Preempted(Exception):
     """The run stopped early on a signal, after writing a checkpoint it can resume from."""
 

@@ -1,7 +1,9 @@
 """strategy=fsdp (PyTorch FSDP2) on the CPU with gloo: the step is the big batch's, for sync=each and sync=last;
 reductions counted per step; killed runs resume bit-identical from full and from sharded checkpoints, also into
 another device count; what cannot combine is refused in one line."""
+import json
 import random
+import shutil
 import signal
 from pathlib import Path
 
@@ -226,3 +228,37 @@ def test_pytorch_196996_is_one_line_naming_the_keys(compose):
     assert_one_line_user_error(info.value, "strategy.sync=last with trainer.precision=bf16-mixed",
                                "use strategy.sync=each")
     strategy.explain(RuntimeError("anything else"))  # not ours to explain: raised as it is
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_missing_or_cut_shard_falls_back_in_one_line(net):
+    """Issue 32, item 10: a shard removed (step 6), cut short (step 5) or garbled (step 4) used to give a traceback
+    per rank and no fallback; resume=auto now passes over each in one line, resumes from step 3 and ends as the run
+    never broken. (Missing and cut shards are found before loading, from .metadata; a garbled one as it loads, by
+    every rank at once.)"""
+    args = [*RUN, *FSDP, "strategy.checkpoint=sharded", "trainer.ema=null"]
+    run, _ = train_run(net, "run", *args)
+    reference = saved(run)
+    ckpts = run / "checkpoints"
+    for path in ckpts.glob("step-*"):
+        if int(path.name.split("-")[1]) > 6:
+            shutil.rmtree(path)
+    (ckpts / "last").unlink()
+    (ckpts / "step-00000006" / "__1_0.distcp").unlink()
+    cut = ckpts / "step-00000005" / "__0_0.distcp"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    garbled = ckpts / "step-00000004" / "__1_0.distcp"
+    garbled.write_bytes(bytes(255 - b for b in garbled.read_bytes()))
+    metrics = run / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line).get("step", 0) <= 6))
+    resumed, proc = train_run(net, "run", *args, "resume=auto")
+    output = proc.stdout + proc.stderr
+    assert "Traceback" not in output
+    assert "step-00000006 is not whole: its shard __1_0.distcp is missing" in output
+    assert "step-00000005 is not whole: its shard __0_0.distcp is truncated" in output
+    assert "step-00000004 is corrupt: a shard cannot be read" in output
+    assert "resumed from" in output and "at optimizer step 3" in output
+    assert len([line for line in output.splitlines() if "warning: resume=auto" in line]) == 3
+    assert [r["step"] for r in read_metrics(resumed)[0]] == list(range(1, 13))
+    assert_identical(saved(resumed)["model"], reference["model"])

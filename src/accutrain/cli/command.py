@@ -24,13 +24,22 @@ from accutrain.config.messages import explain, override_key, refuse_unknown_keys
 from accutrain.config.train import GROUP_NODES, config_dir, register_schemas
 from accutrain.config.validate import validate
 from accutrain.errors import UserError
-from accutrain.store import rundir
+from accutrain.store import record, rundir
 
 CONFIG_NAME = "train"
 SCHEMA_SUFFIX = "_schema"
 # The device and ranks check_run placed a single run on: the run Hydra starts next in this process trusts them and
 # the values checked with them (launch.train's `ranks`). None for a sweep, whose jobs are checked as they run.
 checked: Optional[Any] = None
+# Hydra's record (.hydra/) of each run directory that holds an earlier run this command continues, as it was before
+# Hydra writes over it: put back when the command changes nothing (accutrain.store.status.recorded). By absolute path.
+earlier_records: dict[str, record.Files] = {}
+
+
+def keep_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
+    """Remember Hydra's record of the earlier run in run_dir before Hydra writes over it."""
+    subdir = cfg.hydra.output_subdir
+    earlier_records[os.path.abspath(run_dir)] = record.hydra_record(run_dir, None if subdir is None else str(subdir))
 
 
 def expand_home(argv: list[str]) -> list[str]:
@@ -169,8 +178,8 @@ def check_run(cfg: DictConfig, task: DictConfig, decide: bool, pins: list[str]) 
     decides — its run directory: not an earlier run's (unless continued or replaced), writable, its log file too."""
     if decide:
         run_dir = output_dir(cfg, "run", pins)
-        if run_dir.is_dir():
-            rundir.check_reuse(run_dir, task)
+        if run_dir.is_dir() and rundir.check_reuse(run_dir, task):
+            keep_hydra_record(run_dir, cfg)
     global checked
     validate(task)  # the values, before PyTorch is imported (seconds): a mistake in one is answered at once
     from accutrain.run.launch import place
@@ -198,8 +207,8 @@ def check_sweep(hydra: Any, base: DictConfig, decide: bool, pins: list[str]) -> 
             continue
         if rundir.earlier_run(job_dir) and task.resume is None and not task.trainer.overwrite:
             earlier.append(job_dir.name)
-        else:
-            rundir.check_reuse(job_dir, task, "hydra.sweep.dir")
+        elif rundir.check_reuse(job_dir, task, "hydra.sweep.dir"):
+            keep_hydra_record(job_dir, cfg)
     if earlier:
         jobs = ", ".join(earlier[:8]) + (", …" if len(earlier) > 8 else "")
         raise UserError(f"{sweep_dir} (hydra.sweep.dir) holds the runs of an earlier sweep (jobs {jobs}): add "
@@ -216,6 +225,7 @@ def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str =
     Returns the overrides to add for Hydra to use the output directory checked here. Raises UserError."""
     global checked
     checked = None
+    earlier_records.clear()
     if "--version" in argv:
         print(f"{prog} {__version__}")
         sys.exit(0)

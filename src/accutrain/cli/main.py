@@ -23,8 +23,8 @@ from accutrain.config.train import config_dir, register_schemas
 from accutrain.errors import Preempted, UserError, one_line
 from accutrain.report.sweep import SweepSummary, stopped
 from accutrain.run.scheduler import adopt_scheduler_world
-from accutrain.store import rundir
-from accutrain.store.status import read_status, recorded, write_status
+from accutrain.store import record, rundir
+from accutrain.store.status import Recorded, read_status, recorded, write_status
 
 log = logging.getLogger("accutrain")
 trace_log = logging.getLogger("accutrain.traceback")  # train.log only (configs/hydra/job_logging/accutrain.yaml)
@@ -66,6 +66,8 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
         log.info(f"this job was requeued after a preemption: resuming from the newest checkpoint of {run_dir}")
         cfg.resume = "auto"
     in_use = False  # another run holds the directory: nothing of its may be written
+    earlier_files = command.earlier_records.pop(os.path.abspath(run_dir), None) if primary else None
+    outcome = Recorded()  # kept: the command changed nothing in run_dir (loss.png is not drawn again either)
     try:  # a single run's values and ranks were checked before Hydra ran (command.check); a sweep's job's here
         ranks = command.checked if command.checked is not None and not multirun else preflight(cfg)
         if primary:
@@ -75,6 +77,8 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
             rundir.prepare(run_dir, cfg)
     except UserError as e:
         log.error(one_line(e))
+        if earlier_files is not None:  # Hydra's record of the earlier run (or of the one running there) as it was
+            record.put_back(earlier_files)
         if multirun:  # recorded in the job's status.json, unless that is an earlier run's
             SweepSummary.failed_here += 1
             if primary and not in_use and rundir.earlier_run(run_dir) is None:
@@ -82,7 +86,7 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
             return None
         sys.exit(2)
     try:
-        with recorded(run_dir) if primary else nullcontext():  # status.json: running, then how it ended
+        with recorded(run_dir, earlier_files) if primary else nullcontext(outcome) as outcome:  # status.json
             out = train(cfg, run_dir, log_config, ranks)
         return out.progress.best if out is not None else None
     except UserError as e:
@@ -118,7 +122,7 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
             sys.exit(2)
         SweepSummary.failed_here += 1
     finally:
-        if primary:
+        if primary and not outcome.kept:  # (a command that changed nothing leaves the plot too)
             write_loss_plot(run_dir)
 
 

@@ -11,7 +11,9 @@ into a temporary directory and renamed into place once whole, so a killed run ne
 """
 from __future__ import annotations
 
+import pickle
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from accutrain.dist import World
-from accutrain.errors import UserError
+from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.store.checkpoint import STATE_FILE, save_atomic
 from accutrain.store.files import fsync_dir
 
@@ -58,6 +60,12 @@ def by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
                              for group in state["param_groups"]]}
 
 
+def unreadable(error: BaseException) -> bool:
+    """Whether reading a shard failed on its bytes (garbled or cut: torch.load's errors), not on a mismatch."""
+    return (isinstance(error, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, OSError))
+            or isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error))
+
+
 def write_sharded(directory: Path, shards: dict[str, Any], state: dict[str, Any], world: World) -> Path:
     """Every rank writes its `shards` (DCP) and rank 0 `state` into checkpoints/<name>/, made as .<name>.tmp/ and
     renamed into place once whole (an older one of the same name is replaced). Collective: every rank calls it."""
@@ -91,9 +99,18 @@ def read_sharded(directory: Path, templates: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:  # without a process group (one plain process) every tensor is read whole
         dcp.load(templates, checkpoint_id=directory, no_dist=not dist.is_initialized())
-    except Exception as e:  # DCP wraps every rank's failure in a CheckpointException
-        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure into a CheckpointException,
+        # a BaseException: raised the same on every rank
+        causes = [failure[0] for failure in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        cause = next((c for c in causes if unreadable(c)), causes[0] if causes else e)
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        if unreadable(cause):
+            detail = "" if isinstance(cause, pickle.UnpicklingError) else f": {first[:160]}"  # (torch's is long)
+            raise CorruptCheckpoint(f"{directory} is corrupt: a shard cannot be read ({type(cause).__name__}"
+                                    f"{detail})") from None
         raise UserError(f"{directory} does not fit this run (another model or optimizer?): {first[:200]}") from None
     return templates

@@ -26,7 +26,7 @@ from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
 from accutrain.train.metrics import MetricsLog, summary_line
-from accutrain.train.resume import checkpoint_state, find_resume, keep_metrics_until, restore
+from accutrain.train.resume import checkpoint_state, resume_point, start_branch
 
 log = logging.getLogger("accutrain")
 
@@ -49,21 +49,17 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
             (log.info if result.faithful else log.warning)(f"check: {line}")
     if cfg.trainer.check:
         dist.wait_for_main(world)  # the other ranks wait for rank 0's check, however long it takes
-    resume_from = dist.broadcast_from_main(find_resume(cfg, run_dir) if world.main else None, world)
-    progress = restore(c, resume_from) if resume_from else Progress()
+    resume_from, progress = resume_point(c, run_dir)
     save = Checkpoints(c, run_dir / "checkpoints", trackers)
-    if world.main:
-        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        if resume_from:
-            keep_metrics_until(run_dir / "metrics.jsonl", progress.step)
-        else:  # from scratch: what a run before it here logged (resume=auto found no checkpoint) is not this run's
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        add_to_status(run_dir, plan=c.plan.record())
-        warn_if_disk_is_short(c, save.rotation)
-    if progress.step >= c.plan.total_steps:
+    if progress.step >= c.plan.total_steps:  # before anything is written: the run's record stays as it was
         log.info(f"the checkpoint is at optimizer step {progress.step}, the end of this run's plan "
                  f"({c.plan.total_steps} steps): nothing left to train")
         return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
+    if world.main:  # the run takes its directory over (store.status.taken_over), then writes into it
+        add_to_status(run_dir, plan=c.plan.record())
+        start_branch(run_dir, progress.step, resumed=resume_from is not None)
+        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        warn_if_disk_is_short(c, save.rotation)
     if world.main:
         trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)

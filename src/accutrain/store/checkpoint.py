@@ -15,6 +15,7 @@ import random
 import re
 import shutil
 import zipfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +32,8 @@ READABLE = (1, 2)
 STEP_FILE = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded checkpoint's directory
 STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: everything but the shards, written by rank 0
 ZIP_MAGIC = b"PK\x03\x04"
+REQUIRED = ("progress", "plan", "scheduler")  # besides the model (or shards): what resuming reads
+ABANDONED = "abandoned-"  # checkpoints/abandoned-<time>/: the later checkpoints of a branch a resume left
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -47,7 +50,10 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
         if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
             raise UserError(f"{path} is not a checkpoint: a sharded checkpoint is a directory holding .metadata and "
                             f"{STATE_FILE}")
-        return load(path / STATE_FILE)
+        state = load(path / STATE_FILE)
+        if problem := shards_problem(path):
+            raise UserError(f"{path} is not whole: {problem}")
+        return state
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}")
     with open(path, "rb") as f:
@@ -70,7 +76,30 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     if (not isinstance(state, dict) or state.get("format") not in READABLE
             or "model" not in state and not state.get("sharded")):
         raise UserError(f"{path} is not an accutrain checkpoint")
+    if missing := [key for key in REQUIRED if key not in state]:
+        raise UserError(f"{path} is not a whole accutrain checkpoint: it holds no {', '.join(missing)}")
     return state
+
+
+def shards_problem(directory: Path) -> Optional[str]:
+    """What is wrong with a sharded checkpoint's DCP files, as its .metadata lists them (a shard missing or shorter
+    than the bytes it should hold), or None. Reading .metadata unpickles it, as DCP's own load does."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:  # a cut or garbled pickle: any of pickle's many errors
+        return f"its .metadata cannot be read ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]})"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = directory / name
+        if not shard.is_file():
+            return f"its shard {name} is missing"
+        if shard.stat().st_size < size:
+            return f"its shard {name} is truncated ({shard.stat().st_size} of {size} bytes)"
+    return None
 
 
 class Rotation:
@@ -81,11 +110,11 @@ class Rotation:
         self.directory, self.keep = directory, keep
 
     def steps(self) -> list[Path]:
-        """Step files, newest first."""
+        """Step files, newest first (those of abandoned branches, in abandoned-*/, are not among them)."""
         if not self.directory.is_dir():
             return []
         files = [p for p in self.directory.iterdir() if STEP_FILE.match(p.name)]
-        return sorted(files, key=lambda p: int(STEP_FILE.match(p.name).group(1)), reverse=True)
+        return sorted(files, key=step_number, reverse=True)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         path = self.directory / f"step-{step:08d}.pt"
@@ -127,16 +156,78 @@ class Rotation:
         save_atomic(state, path)
         return path
 
-    def latest_good(self) -> Optional[tuple[Path, dict[str, Any]]]:
-        """The newest checkpoint that loads; an unreadable one is reported and the previous one tried."""
-        candidates = self.steps() or ([self.directory / "last.pt"] if (self.directory / "last.pt").is_file() else [])
-        for i, path in enumerate(candidates):
+    def latest_good(self, passed: Optional[set[Path]] = None) -> Optional[tuple[Path, dict[str, Any]]]:
+        """The newest checkpoint that loads, last.pt included (a last.pt that is no step file's link counts by the
+        step it holds), but those `passed`; an unreadable one is reported (and added to `passed`) and the previous
+        one tried."""
+        passed = set() if passed is None else passed
+        candidates: list[tuple[int, Path]] = [(step_number(p), p) for p in self.steps() if p not in passed]
+        last = self.directory / "last.pt"
+        if last.is_file() and last not in passed and not any(same_file(last, p) for _, p in candidates):
+            try:
+                candidates.append((int(load(last, mmap=True)["step"]), last))
+            except (UserError, KeyError, TypeError, ValueError) as e:
+                log.warning(f"resume=auto: {e if isinstance(e, UserError) else f'{last} holds no step'}; "
+                            "it is not used")
+                passed.add(last)
+        candidates.sort(key=lambda c: c[0], reverse=True)  # a tie: the step file first (same state, named by step)
+        for i, (_, path) in enumerate(candidates):
             try:
                 return path, load(path)
             except UserError as e:
-                fallback = candidates[i + 1].name if i + 1 < len(candidates) else "none left: starting from scratch"
+                passed.add(path)
+                fallback = candidates[i + 1][1].name if i + 1 < len(candidates) else "none left: starting from scratch"
                 log.warning(f"resume=auto: {e}; falling back to the previous checkpoint ({fallback})")
         return None
+
+    def set_aside(self, step: int) -> Optional[Path]:
+        """A run that goes on from optimizer step `step` starts a branch: the checkpoints of later steps (and last,
+        best when they hold a later step or cannot be read) are moved, kept, into checkpoints/abandoned-<time>/, so
+        that they never outrank the live branch in rotation or for resume=auto. That folder, or None (nothing was
+        later)."""
+        later = [p for p in self.steps() if step_number(p) > step]
+        for name in ("last.pt", "last", "best.pt", "best"):
+            path = self.directory / name
+            if (path.exists() or path.is_symlink()) and self._step_held(path, later) > step:
+                later.append(path)
+        if not later:
+            return None
+        aside = self.directory / f"{ABANDONED}{datetime.now():%Y%m%d-%H%M%S}"
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = aside.with_name(f"{ABANDONED}{datetime.now():%Y%m%d-%H%M%S}-{n}")
+        aside.mkdir()
+        for path in later:
+            os.replace(path, aside / path.name)
+        fsync_dir(self.directory)
+        return aside
+
+    def _step_held(self, path: Path, later: list[Path]) -> float:
+        """The optimizer step last/last.pt/best/best.pt holds (infinite when it cannot be read: it is set aside)."""
+        if path.is_symlink():
+            match = STEP_FILE.match(os.readlink(path))
+            return float(match.group(1)) if match else float("inf")
+        for step_path in later + self.steps():
+            if path.is_file() and step_path.is_file() and same_file(path, step_path):
+                return float(step_number(step_path))
+        try:
+            return float(load(path, mmap=True)["step"])
+        except (UserError, KeyError, TypeError, ValueError):
+            return float("inf")
+
+
+def step_number(path: Path) -> int:
+    """The optimizer step in a step checkpoint's name (step-NNNNNNNN.pt or step-NNNNNNNN/)."""
+    return int(STEP_FILE.match(path.name).group(1))
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two names are one file (last.pt is a hard link to the newest step file)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def rng_state() -> dict[str, Any]:

@@ -13,6 +13,8 @@ from typing import Any, Iterator, Optional
 
 from accutrain.errors import Preempted, one_line
 from accutrain.store.files import json_text, write_atomic
+from accutrain.store.record import Files
+from accutrain.store.record import put_back as put_files_back
 
 STATUS_FILE = "status.json"
 FINAL_STATES = ("completed", "failed", "interrupted", "requeued")  # requeued: preempted, to resume under submitit
@@ -98,19 +100,57 @@ def current_state(record: Optional[dict[str, Any]]) -> str:
     return "running"
 
 
+def taken_over(run_dir: Path) -> bool:
+    """Whether this run took its directory over: the session adds the plan to the running record once the resume is
+    accepted and there is something to train, before it writes anything else there."""
+    return "plan" in (read_status(run_dir) or {})
+
+
+class Recorded:
+    """What `recorded` did: `kept` is True when the command changed nothing and the earlier record was put back."""
+
+    kept = False
+
+
 @contextmanager
-def recorded(run_dir: Path) -> Iterator[None]:
-    """Mark the run running, then completed, failed (error in one line) or interrupted (a signal); re-raises."""
+def recorded(run_dir: Path, earlier_files: Optional[Files] = None) -> Iterator[Recorded]:
+    """Mark the run running, then completed, failed (error in one line) or interrupted (a signal); re-raises.
+
+    A command continuing an earlier run (its status.json is there) that ends before it takes the directory over —
+    refused, or with nothing left to train — leaves the earlier record as it was: status.json byte for byte (one of
+    a run that had not been marked completed is marked so when nothing is left to train), and `earlier_files`
+    (Hydra's .hydra/ record, as it was before Hydra wrote it) put back."""
+    path = run_dir / STATUS_FILE
+    earlier = path.read_bytes() if path.is_file() and read_status(run_dir) is not None else None
+    outcome = Recorded()
+
+    def put_back(done: bool) -> bool:
+        if earlier is None or taken_over(run_dir):
+            return False
+        before = json.loads(earlier)
+        if done and before["state"] != "completed":
+            _write(run_dir, {**{k: v for k, v in before.items() if k != "error"}, "state": "completed",
+                             "ended": _now()})
+        else:
+            put_files_back({path: earlier})
+        put_files_back(earlier_files or {})
+        outcome.kept = True
+        return True
+
     write_status(run_dir, "running")
     try:
-        yield
+        yield outcome
     except KeyboardInterrupt:
-        write_status(run_dir, "interrupted")
+        if not put_back(False):
+            write_status(run_dir, "interrupted")
         raise
     except Preempted as e:
-        write_status(run_dir, "interrupted", str(e))
+        if not put_back(False):
+            write_status(run_dir, "interrupted", str(e))
         raise
     except BaseException as e:
-        write_status(run_dir, "failed", one_line(e))
+        if not put_back(False):
+            write_status(run_dir, "failed", one_line(e))
         raise
-    write_status(run_dir, "completed")
+    if not put_back(True):
+        write_status(run_dir, "completed")

@@ -3,6 +3,7 @@ checkpoint to resume from, and loading it into a run, refusing one of another mo
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -10,8 +11,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain import dist
 from accutrain.core.progress import Progress
-from accutrain.errors import UserError
+from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint
 from accutrain.store.files import read_jsonl, write_atomic
@@ -37,8 +39,34 @@ def checkpoint_state(c: Components, p: Progress) -> tuple[dict[str, Any], Option
     ), shards
 
 
-def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
-    """The checkpoint `resume` names: a file, a run directory, or auto (this run directory's newest good one)."""
+def resume_point(c: Components, run_dir: Path) -> tuple[Optional[Path], Progress]:
+    """The checkpoint this run resumes from (rank 0's find_resume, for every rank) loaded into the run, and where the
+    run is; with resume=auto one found corrupt only as it loads (a sharded checkpoint's garbled shard: every rank
+    raises it) is passed over for the previous one. Collective."""
+    passed: set[Path] = set()  # (rank 0's: those find_resume found unreadable, and those that failed to load)
+    last_failed: Optional[Path] = None
+    while True:
+        found = find_resume(c.cfg, run_dir, passed) if c.world.main else None
+        path = dist.broadcast_from_main(found, c.world)
+        if path is None:
+            if last_failed is not None:  # the weights may hold part of what failed to load: not a start from scratch
+                raise UserError(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'} loads (the last tried: "
+                                f"{last_failed.name}): resume=<a checkpoint> goes on from another, "
+                                "trainer.overwrite=true starts afresh")
+            return None, Progress()
+        try:
+            return path, restore(c, path)
+        except CorruptCheckpoint as e:
+            if c.cfg.resume != "auto":
+                raise
+            log.warning(f"resume=auto: {e}; falling back to the previous checkpoint")
+            passed.add(path)
+            last_failed = path
+
+
+def find_resume(cfg: DictConfig, run_dir: Path, passed: Optional[set[Path]] = None) -> Optional[Path]:
+    """The checkpoint `resume` names: a file, a run directory, or auto (this run directory's newest good one, but
+    those `passed`; those found unreadable are added to it)."""
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
@@ -53,7 +81,7 @@ def find_resume(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
             raise UserError(f"resume={cfg.resume}: no such checkpoint file or run directory")
         else:
             return where
-    found = checkpoint.Rotation(where, cfg.trainer.keep_checkpoints).latest_good()
+    found = checkpoint.Rotation(where, cfg.trainer.keep_checkpoints).latest_good(passed)
     if found is None:
         if cfg.resume != "auto":
             raise UserError(f"resume={cfg.resume}: no readable checkpoint in {where}")
@@ -79,6 +107,9 @@ def restore(c: Components, path: Path) -> Progress:
         raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {c.plan.train_size}: "
                         "resuming needs the same training set")
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, c.cfg)
+    say_another_precision(path, state.get("config") or {}, c.cfg)
+    fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in c.optimizer.param_groups]
+    fresh_base = list(getattr(c.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor
     try:  # the model, optimizer and EMA (from a sharded checkpoint's shards too)
         c.strategy.load(c.model, c.optimizer, c.ema, state, path)
     except RuntimeError as e:
@@ -92,6 +123,7 @@ def restore(c: Components, path: Path) -> Progress:
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
         raise UserError(f"{path}: its scheduler state does not fit this run's scheduler ({c.cfg.sched._target_}): "
                         f"{type(e).__name__}: {e}") from None
+    follow_this_runs_optimizer(c, path, fresh, fresh_base)
     if c.precision.scaler and state.get("scaler"):
         c.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
@@ -109,11 +141,16 @@ def restore(c: Components, path: Path) -> Progress:
     if saved["total_steps"] != c.plan.total_steps:
         log.info(f"the checkpoint's run planned {saved['total_steps']} optimizer steps, this one "
                  f"{c.plan.total_steps}: the schedule follows this run's plan")
-    if len(state["rng"]) == c.world.size:
-        checkpoint.set_rng_state(state["rng"][c.world.rank])
+    rngs = state.get("rng")
+    if isinstance(rngs, list) and len(rngs) == c.world.size:
+        checkpoint.set_rng_state(rngs[c.world.rank])
     else:
-        log.info(f"the checkpoint holds RNG states for {len(state['rng'])} rank(s), this run has {c.world.size}: "
-                 "dropout and augmentation draw new random numbers (the data order is unchanged)")
+        if isinstance(rngs, list):
+            log.info(f"the checkpoint holds RNG states for {len(rngs)} rank(s), this run has {c.world.size}: "
+                     "dropout and augmentation draw new random numbers (the data order is unchanged)")
+        else:
+            log.warning(f"{path} holds no RNG states: dropout and augmentation draw new random numbers (the data "
+                        "order is unchanged)")
         torch.manual_seed(derived_seed(c.cfg.seed, p.step * 101 + c.world.rank))
     log.info(f"resumed from {path} at optimizer step {p.step} (epoch {p.epoch + 1}, window {p.window})")
     return p
@@ -121,10 +158,16 @@ def restore(c: Components, path: Path) -> Progress:
 
 def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
     """The seed decides every epoch's order of samples, so resuming with another one would change the data order
-    mid-epoch; another optimizer cannot take the checkpoint's optimizer state. Both are refused in one line."""
+    mid-epoch; data.seed decides the data itself (generated samples, the held-out split), so another one continues on
+    other data; another optimizer cannot take the checkpoint's optimizer state. Each is refused in one line."""
     if "seed" in saved and saved["seed"] != cfg.seed:
         raise UserError(f"{path} was trained with seed={saved['seed']}; this run has seed={cfg.seed}: the seed decides "
                         f"the order of the samples, so resuming needs the same seed (seed={saved['seed']})")
+    data_seed = (saved.get("data") or {}).get("seed")
+    if data_seed is not None and "seed" in cfg.data and data_seed != cfg.data.seed:
+        raise UserError(f"{path} was trained with data.seed={data_seed}; this run has data.seed={cfg.data.seed}: it "
+                        "decides which samples the data holds (or which are held out), so resuming needs the same "
+                        f"data.seed (data.seed={data_seed})")
     target = (saved.get("optim") or {}).get("_target_")
     if target is not None and target != cfg.optim._target_:
         raise UserError(f"{path} was trained with the optimizer {target}; this run uses {cfg.optim._target_}: resuming "
@@ -132,10 +175,76 @@ def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: Dic
                             "accutrain.models.optim.") else f"optim._target_={target}") + ")")
 
 
-def keep_metrics_until(path: Path, step: int) -> None:
+def follow_this_runs_optimizer(c: Components, path: Path, fresh: list[dict[str, Any]], fresh_base: list[float]
+                               ) -> None:
+    """Loading the optimizer and scheduler states brings back the checkpoint's settings (learning rate, weight
+    decay, momentum, …) with the moments; this run's config (what config.yaml records) wins, and a change is said in
+    one line. The learning rate keeps its place in the schedule: lr = this run's base lr × the schedule's factor."""
+    changed = []
+    for group, own in zip(c.optimizer.param_groups, fresh):
+        for key, value in own.items():
+            if key in group and differs(group[key], value):
+                changed.append(f"{key} {group[key]} → {value}")
+                group[key] = value
+    base = getattr(c.scheduler, "base_lrs", None)
+    if base is not None and len(base) == len(fresh_base) and list(base) != fresh_base:
+        changed.append(f"lr {base[0]:g} → {fresh_base[0]:g}")
+        for group, old, new in zip(c.optimizer.param_groups, base, fresh_base):
+            group["lr"] = group["lr"] * new / old if old else new
+            group["initial_lr"] = new
+        c.scheduler.base_lrs = list(fresh_base)
+        c.scheduler._last_lr = [group["lr"] for group in c.optimizer.param_groups]  # what get_last_lr() reports
+    if changed:
+        log.warning(f"resuming with optimizer settings other than those {path} was trained with "
+                    f"({', '.join(dict.fromkeys(changed))}): this run's config applies from here")
+
+
+def differs(a: Any, b: Any) -> bool:
+    """Whether two optimizer settings differ (a tuple and the list a state dict made of it do not)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+    return a != b
+
+
+def say_another_precision(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
+    """Resuming in another trainer.precision is allowed (the weights and optimizer state load in any), and said."""
+    before = (saved.get("trainer") or {}).get("precision")
+    now = str(cfg.trainer.precision)
+    if before is not None and str(before) != now:
+        log.warning(f"resuming with trainer.precision={now}; {path} was trained with trainer.precision={before}: "
+                    "the steps from here are computed in another precision (the run is no longer one precision's)")
+
+
+def keep_metrics_until(path: Path, step: int, aside: Optional[Path] = None) -> None:
     """Drop what a killed run logged after its checkpoint (and a half-written last line) before resuming there; the
-    file is replaced whole (write_atomic), so a kill during the trim leaves the history as it was."""
-    if path.is_file():
-        kept = [line for line, record in read_jsonl(path) if record.get("step", 0) <= step]
-        write_atomic(path, "".join(line + "\n" for line in kept), durable=True)
+    file is replaced whole (write_atomic), so a kill during the trim leaves the history as it was. aside: the folder
+    an abandoned branch's checkpoints went to; the records dropped go there too (aside/metrics.jsonl)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], []
+    for line, record in read_jsonl(path):
+        (kept if record.get("step", 0) <= step else dropped).append(line + "\n")
+    if aside is not None and dropped:
+        write_atomic(aside / path.name, "".join(dropped), durable=True)
+    write_atomic(path, "".join(kept), durable=True)
+
+
+def start_branch(run_dir: Path, step: int, resumed: bool) -> None:
+    """This run goes on from optimizer step `step` (0: from scratch) in run_dir: the checkpoints of later steps are
+    set aside (checkpoint.Rotation.set_aside) with the records metrics.jsonl holds of those steps; without them, what
+    a killed run logged after its checkpoint is dropped, or (from scratch) what a run before it logged."""
+    aside = checkpoint.Rotation(run_dir / "checkpoints", 0).set_aside(step)
+    if aside is not None:
+        log.warning(f"this run goes on from optimizer step {step}, and {run_dir / 'checkpoints'} held checkpoints of "
+                    f"later steps (another branch, or unreadable): moved to {aside} (kept; they no longer count "
+                    "for rotation or resume=auto)")
+    metrics = run_dir / "metrics.jsonl"
+    if resumed:
+        keep_metrics_until(metrics, step, aside)
+    elif aside is not None and metrics.is_file():
+        os.replace(metrics, aside / metrics.name)
+    else:
+        metrics.unlink(missing_ok=True)
 
