@@ -291,3 +291,18 @@ def test_logger_group_composes_one_several_or_none(compose):
     assert list(both) == ["tensorboard", "csv"] and both.tensorboard.log_dir == "tb"
     assert compose("logger=mlflow", "logger.mlflow.tracking_uri=http://localhost:5000").logger.mlflow.tracking_uri \
         == "http://localhost:5000"
+
+
+def test_an_unreachable_mlflow_server_is_switched_off_in_seconds(tmp_path):
+    """A tracking_uri whose server does not answer (nothing listens on port 9): one warning line at start, then the
+    run trains to its end without it — MLflow's own retries would hold step 1 for minutes."""
+    began = time.monotonic()
+    run_dir, proc = train_run(tmp_path, "run", *TINY, "trainer.max_steps=3", "logger=mlflow",
+                              "logger.mlflow.tracking_uri=http://127.0.0.1:9")
+    took = time.monotonic() - began
+    output = proc.stdout + proc.stderr
+    stopped = [line for line in output.splitlines() if "tracker mlflow stopped logging" in line]
+    assert len(stopped) == 1 and "logger.mlflow.tracking_uri=http://127.0.0.1:9" in stopped[0], output
+    assert "Traceback" not in output and len(read_metrics(run_dir)[0]) == 3
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    assert took < 60, took  # the CLI's start-up included; the wait for the server is at most REACH_S (3 s)
