@@ -31,6 +31,7 @@ from accutrain.signals import StopRequest
 from accutrain.train.components import Components
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
+from accutrain.train.stopping import Abandoned, WindowWatch
 
 log = logging.getLogger("accutrain")
 
@@ -55,6 +56,7 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
     params = [param for param in parts.model.parameters() if param.requires_grad]
     record = StepLog(parts, metrics, progress)
     counts = TermCounts(parts.loader.dataset, parts.sampler, parts.loss) if parts.loss.elements else None
+    watch = WindowWatch(parts, stop)  # a stop signal mid-window: finish the window, or abandon it (train/stopping.py)
     parts.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check)
     if parts.buffers:
         parts.buffers.clear()
@@ -62,8 +64,14 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
         parts.sampler.set_epoch(epoch, start_window=progress.window)
         for window, batches in windows_of(parts.loader):
             record.start()
+            watch.begin()
             terms = window_terms(parts, window, counts)  # |W|: the window's samples (or elements), all ranks
-            loss_sum = accumulate_window(parts, progress, window, batches, terms)  # forward+backward per micro-batch
+            try:  # forward+backward per micro-batch
+                loss_sum = accumulate_window(parts, progress, window, batches, terms, watch)
+            except Abandoned as abandoned:  # the weights are those of the last completed step: checkpoint them
+                watch.drop(abandoned, progress.step)
+                metrics.flush()
+                return outcome(record, progress, stop.name, save(progress))
             if parts.buffers:
                 parts.buffers.release()  # the window's summed gradients back into .grad
             settled = settle(parts, params, trainer.grad_clip, loss_sum, stop)  # unscale, norm, clip, all-reduce
@@ -136,13 +144,13 @@ def window_terms(parts: Components, window: Window, counts: Optional[TermCounts]
     return terms
 
 
-def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int
-                      ) -> torch.Tensor:
+def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int,
+                      watch: Optional[WindowWatch] = None) -> torch.Tensor:
     """accumulate() the window's micro-batches, each cut into progress.oom_parts; after an out-of-memory, the window
     again from its first micro-batch, cut into twice as many: those the loader gave already are read anew from the
     sampler (the same samples, views and mixes: a window is a function of the seed, its epoch and its index), so no
-    micro-batch is kept for a replay."""
-    batches, taken = iter(batches), 0
+    micro-batch is kept for a replay. Between micro-batches `watch` may abandon the window for a stop signal."""
+    batches, taken, total = iter(batches), 0, len(window.sizes)
 
     def micro_batches() -> Iterator[Any]:
         nonlocal taken
@@ -151,6 +159,8 @@ def accumulate_window(parts: Components, progress: Progress, window: Window, bat
             again = parts.sampler.micro_batches_of(window)[:taken]
             yield from cut_micro_batches((parts.loader.dataset.__getitems__(m)[1] for m in again), cuts)
         for batch in batches:
+            if taken and watch is not None:
+                watch.between(taken, total)  # every rank here at the same micro-batch: may raise Abandoned
             taken += 1
             if cuts == 1:
                 yield batch

@@ -1,0 +1,103 @@
+"""A stop signal in the middle of a window: finish the window when it will end well inside the grace the signal
+leaves (`trainer.stop_grace_s`), else abandon it at once.
+
+The weights do not change inside a window, so abandoning one is exact: its partial gradients are dropped, and what
+the window's forward passes moved is put back as it was when the window began — every RNG (dropout's masks) and the
+running statistics of BatchNorm layers in training mode — so the checkpoint of the last completed step holds what a
+checkpoint written right after that step would hold; the resumed run computes the window anew, bit for bit. With
+several ranks the question is a vote on the host (a gloo all-reduce, no device wait) between micro-batches, so
+every rank abandons the same window at the same micro-batch, or every rank finishes it.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from accutrain import dist
+from accutrain.models import norms
+from accutrain.signals import StopRequest
+from accutrain.train.components import Components
+
+log = logging.getLogger("accutrain")
+
+FINISH_WITHIN = 0.5  # a window is finished when its estimated rest takes at most this share of the grace
+
+
+class Abandoned(BaseException):
+    """The window in progress is given up for a stop signal (a BaseException: the out-of-memory retry must not take
+    it for an error of the window's)."""
+
+    def __init__(self, done: int, total: int, rest_s: float) -> None:
+        super().__init__(f"abandoned after {done} of {total} micro-batches")
+        self.done, self.total, self.rest_s = done, total, rest_s
+
+
+class WindowWatch:
+    """Between the micro-batches of each window: has a stop been asked for, and can the window still finish?"""
+
+    def __init__(self, parts: Components, stop: StopRequest) -> None:
+        self.parts, self.stop = parts, stop
+        self.grace = float(parts.trainer.stop_grace_s)
+        self.batchnorms = [m for _, m in norms.batchnorm_layers(parts.model, training_only=True)
+                           if m.track_running_stats]
+        self.began, self.decided = 0.0, False
+        self.rng: Optional[tuple[Any, ...]] = None
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def begin(self) -> None:
+        """A window begins: remember what its forward passes may move (cheap: the RNG states and BatchNorm's
+        running statistics, not the weights)."""
+        self.began, self.decided = time.perf_counter(), False
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        self.buffers = [(b, b.detach().clone()) for m in self.batchnorms for b in m.buffers() if b is not None]
+
+    def between(self, done: int, total: int) -> None:
+        """`done` of this rank's `total` micro-batches of the window have been handed out (every rank has as many, so
+        every rank asks at the same ones). Raise Abandoned when a stop has been asked for (on any rank) and the
+        window's rest, at the pace so far, would take more than FINISH_WITHIN of trainer.stop_grace_s (on any rank);
+        when it would not, say that the window finishes and ask no more."""
+        if self.decided:
+            return
+        stopping = self.stop.signum is not None
+        if self.parts.world.size == 1 and not stopping:
+            return  # one rank: no vote needed
+        rest = (time.perf_counter() - self.began) / done * (total - done)
+        too_long = rest > FINISH_WITHIN * self.grace
+        votes = dist.vote_sum(torch.tensor([float(stopping), float(too_long)]), self.parts.world).tolist()
+        if votes[0] == 0:
+            return
+        self.decided = True
+        if votes[1] > 0:
+            raise Abandoned(done, total, rest)
+        if self.parts.world.main:
+            log.warning(f"{self.stop.name or 'stop'}: finishing the window ({total - done} of {total} micro-batches "
+                        f"left, about {rest:.1f} s, within trainer.stop_grace_s={self.grace:g}), then checkpointing")
+
+    def drop(self, abandoned: Abandoned, step: int) -> None:
+        """Put back what the abandoned window moved: no gradient, the RNG states and running statistics of its
+        beginning."""
+        parts = self.parts
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.model.zero_grad(set_to_none=True)
+        if parts.buffers:
+            parts.buffers.clear()
+        for buffer, saved in self.buffers:
+            buffer.copy_(saved)
+        assert self.rng is not None
+        python, numpy, cpu, cuda = self.rng
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if parts.world.main:
+            log.warning(f"{self.stop.name or 'stop'}: abandoned the window of optimizer step {step + 1} after "
+                        f"{abandoned.done} of {abandoned.total} micro-batches (the rest would take about "
+                        f"{abandoned.rest_s:.1f} s, more than {FINISH_WITHIN:g} × trainer.stop_grace_s="
+                        f"{self.grace:g}); checkpointing optimizer step {step}: the resume computes that window anew")
