@@ -305,7 +305,7 @@ def test_a_kill_while_a_resume_trims_metrics_leaves_the_history_whole(tmp_path, 
 
 # A window of 16 micro-batches (micro_batch=2 × accum 16; with 2 devices 8 micro-batches each): a stop signal early in
 # it abandons it at once (trainer.stop_grace_s=0: no window ends inside the grace), dropping its partial gradients.
-LONG_WINDOW = [*RUN, "micro_batch=2", "accum=16", "trainer.epochs=2", "trainer.stop_grace_s=0"]
+LONG_WINDOW = [*RUN, "data.size=128", "micro_batch=2", "accum=16", "trainer.epochs=2", "trainer.stop_grace_s=0"]
 
 
 def stop_early_in_a_window(tmp_path: Path, name: str, *args: str) -> tuple[str, int]:
@@ -318,13 +318,33 @@ def stop_early_in_a_window(tmp_path: Path, name: str, *args: str) -> tuple[str, 
     return (tmp_path / f"{name}.log").read_text(), code
 
 
+BATCHNORM_MODEL = """
+import time
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size, delay=0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 16), nn.BatchNorm1d(16),
+                                 nn.ReLU(), nn.Linear(16, num_classes))
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay)
+        return self.net(x)
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 2])
-def test_a_stop_early_in_a_long_window_abandons_it_and_the_resume_is_bit_identical(slow, devices):
+@pytest.mark.parametrize("devices, model", [(1, "slow.Net"), (2, "slow.Net"), (1, "bnmodel.Net")])
+def test_a_stop_early_in_a_long_window_abandons_it_and_the_resume_is_bit_identical(slow, devices, model):
     """Issue 32: a stop signal does not wait for a long window. The run stops within a few micro-batches, checkpoints
     optimizer step 2 (the window of step 3 dropped, its RNG and running statistics put back), and its resume ends
-    bit-identical to the uninterrupted run — dropout included; with 2 ranks both abandon the same micro-batch."""
-    args = [*LONG_WINDOW, f"devices={devices}"]
+    bit-identical to the uninterrupted run — dropout's masks, and BatchNorm's running statistics, which the dropped
+    window's forward passes moved; with 2 ranks both abandon the same micro-batch."""
+    (slow / "bnmodel.py").write_text(BATCHNORM_MODEL)
+    args = [*LONG_WINDOW, f"devices={devices}", f"model._target_={model}"]
     reference, _ = train_here(slow, "reference", *args)
     log, code = stop_early_in_a_window(slow, "stopped", *args)
     assert code == 128 + signal.SIGTERM, log
