@@ -64,7 +64,7 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
         parts.sampler.set_epoch(epoch, start_window=progress.window)
         for window, batches in windows_of(parts.loader):
             record.start()
-            watch.begin()
+            watch.begin(len(window.sizes))
             terms = window_terms(parts, window, counts)  # |W|: the window's samples (or elements), all ranks
             try:  # forward+backward per micro-batch
                 loss_sum = accumulate_window(parts, progress, window, batches, terms, watch)
@@ -74,7 +74,8 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
                 return outcome(record, progress, stop.name, save(progress))
             if parts.buffers:
                 parts.buffers.release()  # the window's summed gradients back into .grad
-            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop)  # unscale, norm, clip, all-reduce
+            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s)  # unscale, norm, …
+            watch.ended(settled.window_s, len(window.sizes))  # the pace every rank agrees on, for the next window
             lr_factor = parts.lr_scaling.factor(window.batch)
             loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * lr_factor
             skipped = optimizer_step(parts, loss, settled, lr_factor, progress)
@@ -100,11 +101,13 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
 
 
 def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], loss_sum: torch.Tensor,
-           stop: StopRequest) -> Settled:
+           stop: StopRequest, window_s: float = 0.0) -> Settled:
     """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
     update do, without step's wait: precision.found_inf_and_update), the global norm (clipped if asked), and with
-    several ranks one all-reduce of the loss and the stop votes; then the host reads it all as one small tensor
-    (`loss_sum`, this rank's summed loss, included) — the step's only synchronisation."""
+    several ranks one all-reduce of the loss, the stop votes and the previous window's time (`window_s`, averaged,
+    for stopping.WindowWatch); then the
+    host reads it all as one small tensor (`loss_sum`, this rank's summed loss, included) — the step's only
+    synchronisation."""
     device, scaler = parts.device, parts.precision.scaler
     if scaler:
         scaler.unscale_(parts.optimizer)  # before the norm and clipping
@@ -113,13 +116,14 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
         found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
         figures.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
     stopping = stop.signum is not None
-    head = torch.stack([loss_sum, torch.tensor(float(stopping), dtype=torch.float64, device=device)])
-    if parts.world.size > 1:  # every rank's loss and stop vote, summed
+    head = torch.cat([loss_sum.reshape(1), torch.tensor([float(stopping), window_s], dtype=torch.float64,
+                                                        device=device)])
+    if parts.world.size > 1:  # every rank's loss, stop vote and window time, summed
         head = dist.all_reduce_sum(head, parts.world)
     values = torch.cat([head, torch.stack(list(figures.values())).double()]).tolist()  # the one wait
-    read = dict(zip(figures, values[2:]))
+    read = dict(zip(figures, values[3:]))
     return Settled(loss_sum=values[0], norm=read["norm"], stop=values[1] > 0, overflow=read.get("found_inf", 0.0) > 0,
-                   scale=read.get("scale"))
+                   scale=read.get("scale"), window_s=values[2] / parts.world.size)
 
 
 def outcome(record: StepLog, progress: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],

@@ -4,9 +4,13 @@ leaves (`trainer.stop_grace_s`), else abandon it at once.
 The weights do not change inside a window, so abandoning one is exact: its partial gradients are dropped, and what
 the window's forward passes moved is put back as it was when the window began — every RNG (dropout's masks) and the
 running statistics of BatchNorm layers in training mode — so the checkpoint of the last completed step holds what a
-checkpoint written right after that step would hold; the resumed run computes the window anew, bit for bit. With
-several ranks the question is a vote on the host (a gloo all-reduce, no device wait) between micro-batches, so
-every rank abandons the same window at the same micro-batch, or every rank finishes it.
+checkpoint written right after that step would hold; the resumed run computes the window anew, bit for bit.
+
+One rank looks at its own stop request between micro-batches (free). Several ranks must decide alike, so they
+vote — a small all-reduce on the host, over gloo, which waits for no device — at the same micro-batches: only in a
+window that will not end within FINISH_WITHIN of the grace at the pace every rank agreed on (the previous window's
+time travels with the step's all-reduce), and there every grace / POLLS_PER_GRACE seconds of it (every micro-batch
+with a grace of 0). A window that ends within the grace is never polled: a stop then waits for the step's end.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from accutrain.train.components import Components
 log = logging.getLogger("accutrain")
 
 FINISH_WITHIN = 0.5  # a window is finished when its estimated rest takes at most this share of the grace
+POLLS_PER_GRACE = 60  # several ranks vote every grace / 60 seconds of a long window (1 s of a 60 s grace)
 
 
 class Abandoned(BaseException):
@@ -46,30 +51,61 @@ class WindowWatch:
         self.batchnorms = [m for _, m in norms.batchnorm_layers(parts.model, training_only=True)
                            if m.track_running_stats]
         self.began, self.decided = 0.0, False
+        self.last_s, self.previous_total = 0.0, 0  # the previous window's time on this rank, and its micro-batches
+        self.pace: Optional[float] = None  # seconds per micro-batch, the same on every rank (None: not known yet)
+        self.next_vote: Optional[int] = 1  # the micro-batch at which several ranks vote next (None: not this window)
         self.rng: Optional[tuple[Any, ...]] = None
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def begin(self) -> None:
-        """A window begins: remember what its forward passes may move (cheap: the RNG states and BatchNorm's
-        running statistics, not the weights)."""
+    def begin(self, total: int) -> None:
+        """A window of `total` micro-batches (per rank) begins: remember what its forward passes may move (cheap: the
+        RNG states and BatchNorm's running statistics, not the weights); decide where the ranks vote in it."""
         self.began, self.decided = time.perf_counter(), False
         self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
                     torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
         self.buffers = [(b, b.detach().clone()) for m in self.batchnorms for b in m.buffers() if b is not None]
+        if self.pace is None:
+            self.next_vote = 1  # the first window: vote from its first micro-batch (which gives the pace)
+        elif self.pace * total <= FINISH_WITHIN * self.grace:
+            self.next_vote = None  # the whole window ends within the grace: a stop waits for the step's end
+        else:
+            self.next_vote = self.every()
+
+    def every(self) -> int:
+        """Micro-batches between two votes: grace / POLLS_PER_GRACE seconds of them, at least one."""
+        return max(1, int(self.grace / POLLS_PER_GRACE / self.pace)) if self.pace else 1
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def ended(self, previous_s: float, total: int) -> None:
+        """The window of `total` micro-batches ended, its step's all-reduce read (the device has caught up): keep its
+        time, which the next step's all-reduce takes to every rank; `previous_s` is the previous window's, as every
+        rank agrees (the ranks' mean; 0 for none), and gives the pace."""
+        if previous_s > 0 and self.previous_total:
+            self.pace = previous_s / self.previous_total
+        self.last_s, self.previous_total = self.elapsed(), total
 
     def between(self, done: int, total: int) -> None:
-        """`done` of this rank's `total` micro-batches of the window have been handed out (every rank has as many, so
-        every rank asks at the same ones). Raise Abandoned when a stop has been asked for (on any rank) and the
-        window's rest, at the pace so far, would take more than FINISH_WITHIN of trainer.stop_grace_s (on any rank);
-        when it would not, say that the window finishes and ask no more."""
+        """`done` of this rank's `total` micro-batches of the window have been handed out (every rank has as many,
+        so every rank asks at the same ones). Raise Abandoned when a stop has been asked for (on any rank) and the
+        window's rest, at its pace so far, would take more than FINISH_WITHIN of trainer.stop_grace_s (on any rank);
+        when it would not, say that the window finishes, and ask no more."""
         if self.decided:
             return
+        several = self.parts.world.size > 1
+        if several and (self.next_vote is None or done < self.next_vote):
+            return
         stopping = self.stop.signum is not None
-        if self.parts.world.size == 1 and not stopping:
-            return  # one rank: no vote needed
-        rest = (time.perf_counter() - self.began) / done * (total - done)
-        too_long = rest > FINISH_WITHIN * self.grace
-        votes = dist.vote_sum(torch.tensor([float(stopping), float(too_long)]), self.parts.world).tolist()
+        if not several and not stopping:
+            return
+        pace = self.elapsed() / done
+        rest = pace * (total - done)
+        votes = dist.vote_sum(torch.tensor([float(stopping), float(rest > FINISH_WITHIN * self.grace), pace]),
+                              self.parts.world).tolist()
+        if several:
+            self.pace = votes[2] / self.parts.world.size
+            self.next_vote = done + self.every()
         if votes[0] == 0:
             return
         self.decided = True
