@@ -19,7 +19,7 @@ from accutrain.cli import command
 from accutrain.cli.command import check, expand_home
 from accutrain.config.targets import plugin_failure
 from accutrain.config.train import config_dir, register_schemas
-from accutrain.errors import Preempted, UserError, one_line
+from accutrain.errors import Preempted, RankDied, UserError, one_line
 from accutrain.report.sweep import SweepSummary, stopped
 from accutrain.store import rundir
 from accutrain.store.status import read_status, recorded, write_status
@@ -98,6 +98,11 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
     except KeyboardInterrupt:
         log.error("interrupted: stopped at once, without a checkpoint")
         sys.exit(128 + signal.SIGINT)
+    except RankDied as e:
+        log.error(str(e))
+        if not multirun:
+            sys.exit(1)
+        SweepSummary.failed_here += 1
     except Exception as e:
         culprit = plugin_failure(e, cfg)
         if culprit is None and not multirun:
