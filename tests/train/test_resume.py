@@ -367,7 +367,8 @@ def test_a_stop_within_the_grace_finishes_the_window(slow):
     args = [*LONG_WINDOW, "trainer.stop_grace_s=600"]
     log, code = stop_early_in_a_window(slow, "stopped", *args)
     assert code == 128 + signal.SIGTERM, log
-    assert "SIGTERM: finishing the window (" in log and "abandoned" not in log, log
+    assert "SIGTERM: finished the window of optimizer step 3 (it ends within 0.5 × trainer.stop_grace_s=600" in log
+    assert "abandoned" not in log, log
     assert torch.load(slow / "stopped" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
 
 

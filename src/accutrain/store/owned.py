@@ -11,12 +11,12 @@ from typing import Any, Iterator
 from omegaconf import DictConfig
 
 from accutrain.errors import UserError
+from accutrain.store.rundir import CHECKPOINTS, LOCK_FILE, RUN_FILES
 from accutrain.store.status import STATUS_FILE
 
 TRACKERS_FILE = "trackers.json"  # the trackers' run ids, for a resume
 # Everything accutrain (and Hydra for it) writes at the top of a run directory.
-OWNED = ("metrics.jsonl", STATUS_FILE, "config.yaml", "loss.png", "summary.md", "summary.csv", "checkpoints",
-         "train.log", ".hydra", ".lock", TRACKERS_FILE, "hf")
+OWNED = (*RUN_FILES, CHECKPOINTS, "train.log", ".hydra", LOCK_FILE, TRACKERS_FILE, "hf")
 # The keys of a logger.<name> node that name a file or directory (relative ones are taken inside the run directory).
 PATH_KEY = re.compile(r"(^|_)(file|filename|path|dir|folder)$")
 

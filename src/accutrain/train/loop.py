@@ -76,6 +76,8 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
                 parts.buffers.release()  # the window's summed gradients back into .grad
             settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s)  # unscale, norm, …
             watch.ended(settled.window_s, len(window.sizes))  # the pace every rank agrees on, for the next window
+            if settled.stop:
+                watch.finished(progress.step + 1)
             lr_factor = parts.lr_scaling.factor(window.batch)
             loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * lr_factor
             skipped = optimizer_step(parts, loss, settled, lr_factor, progress)

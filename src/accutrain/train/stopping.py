@@ -6,11 +6,11 @@ the window's forward passes moved is put back as it was when the window began �
 running statistics of BatchNorm layers in training mode — so the checkpoint of the last completed step holds what a
 checkpoint written right after that step would hold; the resumed run computes the window anew, bit for bit.
 
-One rank looks at its own stop request between micro-batches (free). Several ranks must decide alike, so they
-vote — a small all-reduce on the host, over gloo, which waits for no device — at the same micro-batches: only in a
-window that will not end within FINISH_WITHIN of the grace at the pace every rank agreed on (the previous window's
-time travels with the step's all-reduce), and there every grace / POLLS_PER_GRACE seconds of it (every micro-batch
-with a grace of 0). A window that ends within the grace is never polled: a stop then waits for the step's end.
+Only a window that will not end within FINISH_WITHIN of the grace, at the pace of the window before it (as every
+rank agrees: its time travels with the step's all-reduce), may be abandoned; any other finishes on a stop, and costs
+nothing here. In one that may, one rank looks at its own stop request between micro-batches (free); several ranks
+must decide alike, so they vote — a small all-reduce on the host, over gloo, which waits for no device — at the
+same micro-batches, every grace / POLLS_PER_GRACE seconds of the window (every micro-batch with a grace of 0).
 """
 from __future__ import annotations
 
@@ -58,22 +58,29 @@ class WindowWatch:
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def begin(self, total: int) -> None:
-        """A window of `total` micro-batches (per rank) begins: remember what its forward passes may move (cheap: the
-        RNG states and BatchNorm's running statistics, not the weights); decide where the ranks vote in it."""
+        """A window of `total` micro-batches (per rank) begins: decide whether a stop may abandon it, and where the
+        ranks vote in it; if it may, remember what its forward passes may move — the RNG states (NumPy's copy alone
+        takes 0.1-0.7 ms, so not for a window that a stop never abandons) and BatchNorm's running statistics."""
         self.began, self.decided = time.perf_counter(), False
-        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                    torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
-        self.buffers = [(b, b.detach().clone()) for m in self.batchnorms for b in m.buffers() if b is not None]
         if self.pace is None:
-            self.next_vote = 1  # the first window: vote from its first micro-batch (which gives the pace)
+            self.next_vote = 1  # the first window: from its first micro-batch (which gives the pace)
         elif self.pace * total <= FINISH_WITHIN * self.grace:
             self.next_vote = None  # the whole window ends within the grace: a stop waits for the step's end
         else:
             self.next_vote = self.every()
+        if self.next_vote is None:
+            self.rng, self.buffers = None, []
+            return
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                    torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+        self.buffers = [(b, b.detach().clone()) for m in self.batchnorms for b in m.buffers() if b is not None]
 
     def every(self) -> int:
-        """Micro-batches between two votes: grace / POLLS_PER_GRACE seconds of them, at least one."""
-        return max(1, int(self.grace / POLLS_PER_GRACE / self.pace)) if self.pace else 1
+        """Micro-batches between two votes: grace / POLLS_PER_GRACE seconds of them, at least one (every one on a
+        single rank, which asks itself)."""
+        if self.parts.world.size == 1 or not self.pace:
+            return 1
+        return max(1, int(self.grace / POLLS_PER_GRACE / self.pace))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
@@ -91,12 +98,9 @@ class WindowWatch:
         so every rank asks at the same ones). Raise Abandoned when a stop has been asked for (on any rank) and the
         window's rest, at its pace so far, would take more than FINISH_WITHIN of trainer.stop_grace_s (on any rank);
         when it would not, say that the window finishes, and ask no more."""
-        if self.decided:
+        if self.decided or self.next_vote is None or done < self.next_vote:
             return
-        several = self.parts.world.size > 1
-        if several and (self.next_vote is None or done < self.next_vote):
-            return
-        stopping = self.stop.signum is not None
+        several, stopping = self.parts.world.size > 1, self.stop.signum is not None
         if not several and not stopping:
             return
         pace = self.elapsed() / done
@@ -105,7 +109,7 @@ class WindowWatch:
                               self.parts.world).tolist()
         if several:
             self.pace = votes[2] / self.parts.world.size
-            self.next_vote = done + self.every()
+        self.next_vote = done + self.every()
         if votes[0] == 0:
             return
         self.decided = True
@@ -114,6 +118,12 @@ class WindowWatch:
         if self.parts.world.main:
             log.warning(f"{self.stop.name or 'stop'}: finishing the window ({total - done} of {total} micro-batches "
                         f"left, about {rest:.1f} s, within trainer.stop_grace_s={self.grace:g}), then checkpointing")
+
+    def finished(self, step: int) -> None:
+        """A stop came during the window of optimizer step `step`, which was finished: say so, unless between() did."""
+        if not self.decided and self.parts.world.main:
+            log.warning(f"{self.stop.name or 'stop'}: finished the window of optimizer step {step} (it ends within "
+                        f"{FINISH_WITHIN:g} × trainer.stop_grace_s={self.grace:g} at its pace), then checkpointing")
 
     def drop(self, abandoned: Abandoned, step: int) -> None:
         """Put back what the abandoned window moved: no gradient, the RNG states and running statistics of its
