@@ -85,18 +85,20 @@ def worker_device(device: torch.device, world: World) -> torch.device:
 
 
 _patient_group: Optional[Any] = None  # a gloo group for waiting on rank-0-only work (see wait_for_main)
+_vote_group: Optional[Any] = None  # a gloo group for votes on the host between micro-batches (see vote_sum)
 
 
 def init_process_group(world: World, device: torch.device, patience_s: Optional[float] = None) -> None:
     """Join the world's process group (from the MASTER_ADDR/MASTER_PORT environment): NCCL on GPUs (bound to this
     rank's device), else gloo; and a gloo group whose collectives wait `patience_s` seconds, for wait_for_main."""
-    global _patient_group
+    global _patient_group, _vote_group
     if world.size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", rank=world.rank, world_size=world.size, device_id=device)
         else:
             dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
         _patient_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=patience_s)) if patience_s else None
+        _vote_group = dist.new_group(backend="gloo") if device.type == "cuda" else None  # None: the gloo world
 
 
 def wait_for_main(world: World) -> None:
@@ -109,10 +111,18 @@ def wait_for_main(world: World) -> None:
 
 def leave_process_group() -> None:
     """Destroy this process's process groups, if it joined any."""
-    global _patient_group
+    global _patient_group, _vote_group
     if dist.is_initialized():
         dist.destroy_process_group()
-    _patient_group = None
+    _patient_group = _vote_group = None
+
+
+def vote_sum(values: torch.Tensor, world: World) -> torch.Tensor:
+    """Sum a small CPU tensor across ranks on a gloo group: a vote taken on the host between micro-batches, which
+    waits for no device (the world's NCCL group would)."""
+    if world.size > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=_vote_group)
+    return values
 
 
 def all_reduce_sum(values: torch.Tensor, world: World) -> torch.Tensor:

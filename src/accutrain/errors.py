@@ -24,6 +24,10 @@ class Preempted(Exception):
         self.signum = signum
 
 
+class RankDied(Exception):
+    """A rank's process was killed (SIGKILL, the OOM killer): every rank stopped; said in one line."""
+
+
 def one_line(error: BaseException) -> str:
     """A user error's own message (from a DataLoader worker: the original one, not the worker's traceback);
     anything else as `Type: message`, first line only."""

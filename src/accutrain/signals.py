@@ -1,5 +1,6 @@
 """Preemption: the first of the preemption signals (`trainer.preempt_signals`: SIGTERM, SIGINT, SIGUSR1, SIGUSR2 by
-default) asks the loop to stop after the current optimizer step and checkpoint; a second SIGINT stops at once. And
+default) asks the loop to stop after the current optimizer step (or, when its window is far from its end, to
+abandon that window: train/stopping.py) and checkpoint; a second SIGINT stops at once. And
 the parent-death signal that ends a rank whose command was killed outright."""
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
             if self.announce:
-                log.warning(f"{signal.Signals(signum).name}: finishing the current optimizer step, then "
-                            "checkpointing (a second Ctrl-C stops at once)")
+                log.warning(f"{signal.Signals(signum).name}: stopping at the end of the current window, or at once "
+                            "when its end is further off than trainer.stop_grace_s allows; then checkpointing (a second "
+                            "Ctrl-C stops at once)")
             if self.on_request:
                 self.on_request(signum)
         elif signum == signal.SIGINT:

@@ -157,3 +157,23 @@ def test_a_single_run_checks_its_values_once(tmp_path):
                            f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "validated 1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.3, 1.5])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, after_s):
+    """Issue 32: Ctrl-C while the command imports Hydra and PyTorch or composes the config printed the traceback of
+    whatever it landed in (64 lines), or a confused config error from a library interrupted halfway."""
+    import os
+    import signal
+    import time
+
+    from conftest import ONE_THREAD, cli_command
+
+    proc = subprocess.Popen([*cli_command(), *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD})
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert output.strip() == "accutrain: interrupted while starting: nothing was trained", output

@@ -1,4 +1,6 @@
 """Several devices, for real: 2 gloo processes on the CPU, through the real CLI (spawned and under torchrun)."""
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -180,3 +182,43 @@ def test_a_command_killed_outright_leaves_no_rank_training(tmp_path):
     size = metrics.stat().st_size
     time.sleep(1.0)
     assert metrics.stat().st_size == size
+
+
+def children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for listing in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found |= {int(c) for c in listing.read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    try:
+        return any(Path(os.readlink(fd)) == path for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finding the ranks through /proc")
+def test_a_rank_killed_outright_ends_the_run_in_one_line_naming_it(tmp_path):
+    """Issue 32: kill -9 of one worker. Every rank stops at once (the others SIGKILLed, not sent the SIGTERM that
+    they took for a stop request: "checkpointing" announced, none written) and the command says which rank died and
+    where resume=auto continues, in one line, without Hydra's traceback; status.json says failed."""
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path, "run", *TINY, "devices=2", "micro_batch=4", "accum=2", "trainer.epochs=100000",
+                 "trainer.checkpoint_every=2")
+    wait_for_steps(run_dir, 3, proc)
+    ranks = [rank for child in children(proc.pid) for rank in children(child)]  # the fork server's children
+    others = [rank for rank in ranks if not holds_open(rank, run_dir / "metrics.jsonl")]  # rank 0 writes it
+    assert len(ranks) == 2 and len(others) == 1, ranks
+    os.kill(others[0], signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1
+    output = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in output and "then checkpointing" not in output and "leaked" not in output, output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "rank 1 of 2 was killed by SIGKILL" in errors[0], output
+    assert "resume=auto continues from its newest checkpoint" in errors[0]
+    record = json.loads((run_dir / "status.json").read_text())
+    assert record["state"] == "failed" and "rank 1 of 2 was killed by SIGKILL" in record["error"]

@@ -291,3 +291,55 @@ def test_logger_group_composes_one_several_or_none(compose):
     assert list(both) == ["tensorboard", "csv"] and both.tensorboard.log_dir == "tb"
     assert compose("logger=mlflow", "logger.mlflow.tracking_uri=http://localhost:5000").logger.mlflow.tracking_uri \
         == "http://localhost:5000"
+
+
+def test_an_unreachable_mlflow_server_is_switched_off_in_seconds(tmp_path):
+    """A tracking_uri whose server does not answer (nothing listens on port 9): one warning line at start, then the
+    run trains to its end without it — MLflow's own retries would hold step 1 for minutes."""
+    began = time.monotonic()
+    run_dir, proc = train_run(tmp_path, "run", *TINY, "trainer.max_steps=3", "logger=mlflow",
+                              "logger.mlflow.tracking_uri=http://127.0.0.1:9")
+    took = time.monotonic() - began
+    output = proc.stdout + proc.stderr
+    stopped = [line for line in output.splitlines() if "tracker mlflow stopped logging" in line]
+    assert len(stopped) == 1 and "logger.mlflow.tracking_uri=http://127.0.0.1:9" in stopped[0], output
+    assert "Traceback" not in output and len(read_metrics(run_dir)[0]) == 3
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
+    assert took < 60, took  # the CLI's start-up included; the wait for the server is at most REACH_S (3 s)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["logger=csv", "logger.csv.filename=metrics.jsonl"],
+     "logger.csv.filename=metrics.jsonl: metrics.jsonl is accutrain's own in the run directory"),
+    (["logger=csv", "logger.csv.filename=checkpoints/rows.csv"],
+     "logger.csv.filename=checkpoints/rows.csv: checkpoints is accutrain's own"),
+    (["logger=tensorboard", "logger.tensorboard.log_dir=.hydra"], "logger.tensorboard.log_dir=.hydra: .hydra is"),
+])
+def test_a_tracker_cannot_take_the_run_directorys_own_names(compose, tmp_path, args, fragment):
+    """Issue 32, item 8: `logger.csv.filename=metrics.jsonl` replaced the metrics with CSV rows."""
+    with pytest.raises(UserError) as error:
+        Trackers.build(compose(*TINY, *args), tmp_path / "run")
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_tracker_file_clashing_or_outside_is_refused_before_anything_is_written(tmp_path):
+    """From the command line: one line naming the key, exit 2, no run directory; an existing file outside the run
+    directory is not replaced (a new one there is written)."""
+    proc = run_cli(*TINY, "trainer.max_steps=2", "logger=csv", "logger.csv.filename=metrics.jsonl",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+    assert "error: logger.csv.filename=metrics.jsonl: metrics.jsonl is accutrain's own" in proc.stderr
+    (tmp_path / "precious.csv").write_text("the user's own rows\n")
+    proc = run_cli(*TINY, "trainer.max_steps=2", "logger=csv", "logger.csv.filename=../precious.csv",
+                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+    assert (f"error: logger.csv.filename=../precious.csv: {tmp_path / 'precious.csv'} exists already, outside the "
+            "run directory, and would be replaced") in proc.stderr
+    assert (tmp_path / "precious.csv").read_text() == "the user's own rows\n"
+    # a new file outside, then a resume of that run writes it again (it is the run's own now)
+    run_dir, _ = train_run(tmp_path, "run", *TINY, "trainer.max_steps=2", "trainer.checkpoint_every=1",
+                           "logger=csv", "logger.csv.filename=../rows.csv")
+    assert len((tmp_path / "rows.csv").read_text().splitlines()) > 2
+    train_run(tmp_path, "run", *TINY, "trainer.max_steps=3", "logger=csv", "logger.csv.filename=../rows.csv",
+              "resume=auto")
+    assert [int(r["step"]) for r in csv.DictReader(open(tmp_path / "rows.csv")) if r["loss"]] == [1, 2, 3]

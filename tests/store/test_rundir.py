@@ -91,12 +91,14 @@ def test_an_unwritable_checkpoints_folder_or_log_is_found_before_training(tmp_pa
     """Item 2: found when the command is checked, not at the first checkpoint write after all the training; and
     Hydra's train.log that cannot be opened is refused before Hydra opens it (the command line's one line and exit
     code 2 are proven by test_a_read_only_run_directory_is_one_line)."""
-    (tmp_path / "ckpt").mkdir()
+    for name in ("ckpt", "log"):  # earlier accutrain runs' directories, failed at start
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "status.json").write_text(json.dumps({"state": "failed", "error": "no data"}))
     (tmp_path / "ckpt" / "checkpoints").write_text("a file in the way")
     with pytest.raises(UserError, match=f"cannot write checkpoints into {tmp_path / 'ckpt' / 'checkpoints'}: it is "
                                         "a file, not a directory"):
         check([*QUICK, f"hydra.run.dir={tmp_path / 'ckpt'}"])
-    (tmp_path / "log" / "train.log").mkdir(parents=True)  # an existing run directory whose log cannot be written
+    (tmp_path / "log" / "train.log").mkdir()  # an existing run directory whose log cannot be written
     with pytest.raises(UserError, match=f"cannot write the log file {tmp_path / 'log' / 'train.log'}: Is a directory"):
         check([*QUICK, f"hydra.run.dir={tmp_path / 'log'}"])
 
@@ -210,3 +212,45 @@ def test_a_directory_another_run_holds_is_refused_and_left_alone(tmp_path):
     assert {name: (run_dir / name).read_bytes() for name in before} == before
     _, proc = train_run(tmp_path, "run", *TINY, "trainer.max_steps=8", "resume=auto")  # free again: it resumes
     assert [r["step"] for r in read_metrics(run_dir)[0]] == list(range(1, 9))
+
+
+def test_a_folder_that_is_not_a_run_is_refused_and_left_byte_identical(tmp_path):
+    """Issue 32, item 7: `hydra.run.dir=.` in a project folder replaced the user's own config.yaml and appended to
+    their train.log; now one line, exit 2, and the folder is byte-identical (Hydra has not run: no .hydra/)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("lr: 0.1  # the user's own\n")
+    (project / "train.log").write_text("the user's own log\n")
+    before = snapshot(project)
+    proc = run_cli(*QUICK, "hydra.run.dir=.", cwd=project, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, ". (hydra.run.dir) is not an accutrain run directory: it holds files of its own "
+                                "(config.yaml, train.log) and no status.json")
+    assert snapshot(project) == before and sorted(p.name for p in project.iterdir()) == ["config.yaml", "train.log"]
+
+
+def test_an_empty_run_directory_value_is_refused(tmp_path):
+    """`hydra.run.dir=` trained in the working directory."""
+    proc = run_cli(*QUICK, "hydra.run.dir=", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "hydra.run.dir is empty: the run would be written into the working directory")
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(UserError, match="hydra.sweep.dir is empty"):
+        check(["-m", *QUICK, "seed=0,1", "hydra.sweep.dir="])
+
+
+def test_an_empty_folder_or_an_earlier_run_is_a_run_directory(tmp_path):
+    from accutrain.store import owned
+
+    (tmp_path / "empty").mkdir()
+    owned.refuse_foreign(tmp_path / "empty", "hydra.run.dir")
+    owned.refuse_foreign(tmp_path / "new", "hydra.run.dir")
+    owned.refuse_foreign(used_run(tmp_path), "hydra.run.dir")  # status.json (and a note of the user's beside it)
+    hydra_only = tmp_path / "hydra_only"  # a run stopped before its status.json: Hydra's record of accutrain's config
+    (hydra_only / ".hydra").mkdir(parents=True)
+    (hydra_only / ".hydra" / "config.yaml").write_text("micro_batch: 8\ntrainer:\n  epochs: 2\n")
+    (hydra_only / "train.log").write_text("")
+    owned.refuse_foreign(hydra_only, "hydra.run.dir")
+    (hydra_only / ".hydra" / "config.yaml").write_text("db:\n  host: x\n")  # another Hydra app's record
+    with pytest.raises(UserError, match="is not an accutrain run directory"):
+        owned.refuse_foreign(hydra_only, "hydra.run.dir")

@@ -301,3 +301,81 @@ def test_a_kill_while_a_resume_trims_metrics_leaves_the_history_whole(tmp_path, 
     monkeypatch.undo()
     keep_metrics_until(path, 50)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 51))
+
+
+# A window of 16 micro-batches (micro_batch=2 × accum 16; with 2 devices 8 micro-batches each): a stop signal early in
+# it abandons it at once (trainer.stop_grace_s=0: no window ends inside the grace), dropping its partial gradients.
+LONG_WINDOW = [*RUN, "data.size=128", "micro_batch=2", "accum=16", "trainer.epochs=2", "trainer.stop_grace_s=0"]
+
+
+def stop_early_in_a_window(tmp_path: Path, name: str, *args: str) -> tuple[str, int]:
+    """Start the run, send SIGTERM a few micro-batches into the window after optimizer step 2; (its log, exit code)."""
+    proc = start(tmp_path, name, *args, "+model.delay=0.03")
+    wait_for_steps(tmp_path / name, 2, proc)
+    time.sleep(0.1)  # about 3 micro-batches into the window of step 3 (it takes 16 × 0.03 s and more)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    return (tmp_path / f"{name}.log").read_text(), code
+
+
+BATCHNORM_MODEL = """
+import time
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size, delay=0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 16), nn.BatchNorm1d(16),
+                                 nn.ReLU(), nn.Linear(16, num_classes))
+        self.delay = delay
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay)
+        return self.net(x)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, model", [(1, "slow.Net"), (2, "slow.Net"), (1, "bnmodel.Net")])
+def test_a_stop_early_in_a_long_window_abandons_it_and_the_resume_is_bit_identical(slow, devices, model):
+    """Issue 32: a stop signal does not wait for a long window. The run stops within a few micro-batches, checkpoints
+    optimizer step 2 (the window of step 3 dropped, its RNG and running statistics put back), and its resume ends
+    bit-identical to the uninterrupted run — dropout's masks, and BatchNorm's running statistics, which the dropped
+    window's forward passes moved; with 2 ranks both abandon the same micro-batch."""
+    (slow / "bnmodel.py").write_text(BATCHNORM_MODEL)
+    args = [*LONG_WINDOW, f"devices={devices}", f"model._target_={model}"]
+    reference, _ = train_here(slow, "reference", *args)
+    log, code = stop_early_in_a_window(slow, "stopped", *args)
+    assert code == 128 + signal.SIGTERM, log
+    abandoned = [line for line in log.splitlines() if "abandoned the window of optimizer step 3 after" in line]
+    assert len(abandoned) == 1, log
+    done = int(abandoned[0].split(" after ")[1].split(" of ")[0])
+    assert done <= 16 // devices - 2, abandoned  # stopped well before the window's end
+    run_dir = slow / "stopped"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == [1, 2]
+    resumed, _ = train_run(slow, "stopped", *args, "resume=auto")
+    assert_identical(final_weights(resumed), final_weights(reference))
+    assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in read_metrics(reference)[0]]
+
+
+@pytest.mark.slow
+def test_a_stop_within_the_grace_finishes_the_window(slow):
+    """Within the grace (here 600 s, half of it far beyond the window's rest) the window is finished, as before."""
+    args = [*LONG_WINDOW, "trainer.stop_grace_s=600"]
+    log, code = stop_early_in_a_window(slow, "stopped", *args)
+    assert code == 128 + signal.SIGTERM, log
+    assert "SIGTERM: finished the window of optimizer step 3 (it ends within 0.5 × trainer.stop_grace_s=600" in log
+    assert "abandoned" not in log, log
+    assert torch.load(slow / "stopped" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_negative_stop_grace_is_one_line(value):
+    from accutrain.cli.command import check
+
+    with pytest.raises(UserError) as info:
+        check([*TINY, f"trainer.stop_grace_s={value}"])
+    assert_one_line_user_error(info.value, f"trainer.stop_grace_s={value}", "0 or more")

@@ -24,7 +24,7 @@ from accutrain.config.messages import explain, override_key, refuse_unknown_keys
 from accutrain.config.train import GROUP_NODES, config_dir, register_schemas
 from accutrain.config.validate import validate
 from accutrain.errors import UserError
-from accutrain.store import record, rundir
+from accutrain.store import owned, record, rundir
 
 CONFIG_NAME = "train"
 SCHEMA_SUFFIX = "_schema"
@@ -168,6 +168,7 @@ def output_dir(cfg: DictConfig, mode: str, pins: list[str]) -> Path:
     second later, uses the very directory checked here."""
     raw = str(OmegaConf.to_container(cfg.hydra[mode], resolve=False)["dir"])
     value = str(cfg.hydra[mode].dir)
+    owned.refuse_empty(value, f"hydra.{mode}.dir")
     if "${" in raw and SAFE_PATH.fullmatch(value):
         pins.append(f"hydra.{mode}.dir={value}")
     return Path(value).expanduser()
@@ -178,8 +179,10 @@ def check_run(cfg: DictConfig, task: DictConfig, decide: bool, pins: list[str]) 
     decides — its run directory: not an earlier run's (unless continued or replaced), writable, its log file too."""
     if decide:
         run_dir = output_dir(cfg, "run", pins)
+        owned.refuse_foreign(run_dir, "hydra.run.dir")
         if run_dir.is_dir() and rundir.check_reuse(run_dir, task):
             keep_hydra_record(run_dir, cfg)
+        owned.check_tracker_paths(run_dir, task)
     global checked
     validate(task)  # the values, before PyTorch is imported (seconds): a mistake in one is answered at once
     from accutrain.run.launch import place
@@ -203,8 +206,11 @@ def check_sweep(hydra: Any, base: DictConfig, decide: bool, pins: list[str]) -> 
     for _, overrides, cfg in job_configs(hydra, base):
         task = task_config(cfg, overrides)
         job_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
+        if decide:
+            owned.check_tracker_paths(job_dir, task)
         if not decide or not job_dir.is_dir():
             continue
+        owned.refuse_foreign(job_dir, "hydra.sweep.dir")
         if rundir.earlier_run(job_dir) and task.resume is None and not task.trainer.overwrite:
             earlier.append(job_dir.name)
         elif rundir.check_reuse(job_dir, task, "hydra.sweep.dir"):

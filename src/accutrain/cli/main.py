@@ -8,7 +8,27 @@ import signal
 import sys
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
+from types import FrameType
 from typing import Callable, Optional
+
+COMMANDS = ("accutrain", "accutrain-check")
+_in_job = False  # Hydra runs the job: Ctrl-C is a KeyboardInterrupt the job answers (status.json: interrupted)
+
+
+def _interrupted_while_starting(signum: int, frame: Optional[FrameType]) -> None:
+    """Ctrl-C while the command imports Hydra and PyTorch, checks the command line or Hydra sets the run up (seconds,
+    nothing trained, no status.json yet): one line and exit 130 at once — not the traceback of whatever it landed in
+    (or a confused error from a library that was interrupted halfway). In the job, a KeyboardInterrupt as usual."""
+    if _in_job:
+        raise KeyboardInterrupt
+    sys.stderr.write(f"{Path(sys.argv[0]).name}: interrupted while starting: nothing was trained\n")
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+
+_script = Path(sys.argv[0] if sys.argv and sys.argv[0] else "")
+if _script.name in COMMANDS or (_script.name == "__main__.py" and _script.parent.name == "accutrain"):
+    signal.signal(signal.SIGINT, _interrupted_while_starting)  # before the imports below (only the command's)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -20,7 +40,7 @@ from accutrain.cli.command import check, expand_home
 from accutrain.config.renames import renamed
 from accutrain.config.targets import plugin_failure
 from accutrain.config.train import config_dir, register_schemas
-from accutrain.errors import Preempted, UserError, one_line
+from accutrain.errors import Preempted, RankDied, UserError, one_line
 from accutrain.report.sweep import SweepSummary, stopped
 from accutrain.run.scheduler import adopt_scheduler_world
 from accutrain.store import record, rundir
@@ -39,6 +59,8 @@ def torchrun_secondary() -> bool:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def _train(cfg: DictConfig) -> Optional[float]:
+    global _in_job
+    _in_job = True
     with ExitStack() as holds:  # the run directory's hold (rundir.held) ends with the job, however it ends
         return _job(cfg, holds)
 
@@ -109,6 +131,11 @@ def _job(cfg: DictConfig, holds: ExitStack) -> Optional[float]:
     except KeyboardInterrupt:
         log.error("interrupted: stopped at once, without a checkpoint")
         sys.exit(128 + signal.SIGINT)
+    except RankDied as e:
+        log.error(str(e))
+        if not multirun:
+            sys.exit(1)
+        SweepSummary.failed_here += 1
     except Exception as e:
         culprit = plugin_failure(e, cfg)
         if culprit is None and not multirun:
@@ -177,6 +204,21 @@ def before_hydra(prog: str, **checks: bool) -> None:
         sys.exit(2)
 
 
+def interruptible(prog: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """A KeyboardInterrupt the job did not answer (between a sweep's jobs, say) is one line and exit 130."""
+    def wrap(command: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                command()
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr)
+                sys.exit(128 + signal.SIGINT)
+        run.__doc__ = command.__doc__
+        return run
+    return wrap
+
+
+@interruptible("accutrain-check")
 def check_main() -> None:
     """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
     import_from_working_directory()
@@ -186,6 +228,7 @@ def check_main() -> None:
     _check()
 
 
+@interruptible("accutrain")
 def main() -> None:
     import_from_working_directory()
     try:  # under srun with several tasks: the world SLURM started, as torchrun's variables

@@ -146,6 +146,9 @@ class TrainerConfig:
     # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
     # under submitit the job is then requeued and resumes).
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+    # The grace a stop signal leaves before the kill: a window that would end within half of it is finished, a longer
+    # one abandoned (its partial gradients dropped, the last completed step checkpointed; the resume redoes it).
+    stop_grace_s: float = 60.0
     export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
     tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)

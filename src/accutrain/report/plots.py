@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from accutrain.report.runs import MISSING_VALUE, RunRow, common_overrides
+from accutrain.store.files import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -105,7 +106,8 @@ def run_figure(row: RunRow) -> "Figure":
 
 
 def plot_run(row: RunRow, out: Path) -> None:
-    run_figure(row).savefig(out)
+    figure = run_figure(row)
+    write_atomic(out, lambda f: figure.savefig(f, format="png"))  # a full disk leaves the old plot, not half a new one
 
 
 def _label(row: RunRow, common: set[str]) -> str:
@@ -176,4 +178,5 @@ def summary_figure(rows: list[RunRow]) -> "Figure":
 
 
 def plot_summary(rows: list[RunRow], out: Path) -> None:
-    summary_figure(rows).savefig(out)
+    figure = summary_figure(rows)
+    write_atomic(out, lambda f: figure.savefig(f, format="png"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import logging.config
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -21,11 +22,12 @@ from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.plan import derive_accum
 from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
-from accutrain.errors import Preempted, UserError
+from accutrain.errors import Preempted, RankDied, UserError
 from accutrain.run.scheduler import launcher_name, scheduler_started
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
 from accutrain.signals import SIGNALS, StopRequest, die_with_parent, signal_numbers
+from accutrain.store import checkpoint
 from accutrain.train.loop import Outcome
 
 log = logging.getLogger("accutrain")
@@ -168,6 +170,43 @@ def _worker(local_rank: int, job: _Job) -> None:
         leave_process_group()
 
 
+def first_failure(context: Any) -> Optional[int]:
+    """Wait until every worker has ended, or one has failed: then kill the others at once and return its index (the
+    others' left out of `context`, whose join then reports that one). SIGKILL, not torch's SIGTERM: a survivor
+    would take that for a stop request, announce a checkpoint, and fail at its next collective with a dead peer."""
+    while context.sentinels:
+        for sentinel in multiprocessing.connection.wait(list(context.sentinels)):
+            index = context.sentinels[sentinel]
+            process = context.processes[index]
+            process.join()
+            if process.exitcode == 0:
+                continue
+            for other in context.processes:
+                if other is not process and other.is_alive():
+                    other.kill()
+            for other_sentinel, other_index in list(context.sentinels.items()):
+                if other_index != index:
+                    context.processes[other_index].join()
+                    del context.sentinels[other_sentinel]
+            return index
+    return None
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def newest_checkpoint(args: tuple) -> str:
+    """What resume=auto would continue from in the run directory among `args` (train_rank's: cfg, run_dir, …)."""
+    run_dir = next((a for a in args if isinstance(a, Path)), None)
+    steps = checkpoint.Rotation(run_dir / "checkpoints", 1).steps() if run_dir is not None else []
+    return (f"resume=auto continues from its newest checkpoint, {steps[0]}" if steps else
+            "no checkpoint was written before it")
+
+
 def start_method() -> str:
     """How workers start: forked from a fork server that imported accutrain (and PyTorch) once — a worker then starts
     without importing them again (seconds each) — where the platform has one, else spawned. Neither forks a process
@@ -190,6 +229,12 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
     to the workers, which stop together after their current optimizer step.
     """
     method = start_method()
+    # multiprocessing's resource tracker, started with this process's warning options, cleans up the queues'
+    # semaphores that a rank killed outright leaves registered; without this its notice adds two lines of its own
+    # to the one that says which rank died
+    quiet_tracker = "ignore:resource_tracker:UserWarning"
+    if quiet_tracker not in sys.warnoptions:
+        sys.warnoptions.append(quiet_tracker)
     ctx = multiprocessing.get_context(method)
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     threads = max(1, (os.cpu_count() or 1) // nprocs)
@@ -205,6 +250,11 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
 
     try:
         with StopRequest(on_request=pass_on, announce=False, signals=signals):
+            failed = first_failure(context)
+            if failed is not None and context.processes[failed].exitcode < 0 and errors.empty():
+                name = signal_name(-context.processes[failed].exitcode)
+                raise RankDied(f"rank {failed} of {nprocs} was killed by {name} (the OOM killer, kill -9, a "
+                               f"scheduler): every rank stopped; {newest_checkpoint(args)}")
             while not context.join():
                 pass
     except torch.multiprocessing.ProcessExitedException as e:

@@ -108,6 +108,7 @@ class Checkpoints:
         self.c, self.trackers = c, trackers
         self.rotation = checkpoint.Rotation(directory, c.trainer.keep_checkpoints)
         self.failure: Optional[str] = None  # why the latest checkpoint could not be written
+        self.failed: list[int] = []  # the optimizer steps whose checkpoint could not be written, this session
 
     def last_good(self) -> str:
         steps = self.rotation.steps()
@@ -142,14 +143,25 @@ class Checkpoints:
                 failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} "
                            f"into {self.rotation.directory} ({e.strerror or e}); the newest on disk is "
                            f"{newest[0].name if newest else 'none'}")
-                log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
-                          "tries again")
+                if best or p.step < c.plan.total_steps:  # the run's last one: raise_if_the_last_failed says it
+                    log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
+                              "tries again")
                 if not best:  # a best.pt that could not be written leaves the run's last steps saved
                     self.failure = failure
+                    self.failed.append(p.step)
+                    add_to_status(self.rotation.directory.parent, checkpoints_failed=dict(
+                        count=len(self.failed), steps=self.failed[:10], last_step=p.step, error=e.strerror or str(e)))
         dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
         return path
 
     def raise_if_the_last_failed(self) -> None:
+        """At the end: the checkpoints that could not be written, said; if the last one failed, UserError."""
+        if self.failed and not self.failure:
+            newest = self.rotation.steps()
+            log.error(f"{len(self.failed)} checkpoint{'s' if len(self.failed) > 1 else ''} could not be written "
+                      f"(optimizer step{'s' if len(self.failed) > 1 else ''} "
+                      f"{', '.join(map(str, self.failed[:10]))}{', …' if len(self.failed) > 10 else ''}); the newest "
+                      f"on disk is {newest[0].name if newest else 'none'} (status.json: checkpoints_failed)")
         if self.failure:
             raise UserError(f"{self.failure}: the run's last steps are not saved (make room, then resume=auto "
                             "continues from that checkpoint)")

@@ -8,6 +8,7 @@ rank's shards of the model, optimizer and EMA beside `state.pt`, the rest; accut
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
@@ -37,9 +38,30 @@ ABANDONED = "abandoned-"  # checkpoints/abandoned-<time>/: the later checkpoints
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """torch.save `state` to `path` atomically and durably: a crash leaves the old file intact."""
+    """torch.save `state` to `path` atomically and durably: a crash leaves the old file intact. A write that fails
+    (a full disk, a file-size limit, an I/O error) raises OSError, whatever torch.save's writer made of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: torch.save(state, f), durable=True)
+    try:
+        write_atomic(path, lambda f: torch.save(state, f), durable=True)
+    except RuntimeError as e:  # torch's zip writer reports a failed write as `[enforce fail …] unexpected pos …`
+        raise write_error(e) from None
+
+
+def write_error(error: RuntimeError) -> BaseException:
+    """The OSError behind torch.save's RuntimeError (its writer calls the file's write, whose error it chains), or
+    an OSError(EIO) for a writer error without one; any other RuntimeError is left as it is."""
+    seen: set[int] = set()
+    cause: Optional[BaseException] = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    text = str(error)
+    if "inline_container" in text or "PytorchStreamWriter" in text or "unexpected pos" in text:
+        first = (text.strip().splitlines() or ["write failed"])[0]
+        return OSError(errno.EIO, f"torch.save could not write the file: {first[:160]}")
+    return error
 
 
 def load(path: Path, mmap: bool = False) -> dict[str, Any]:

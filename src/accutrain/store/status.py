@@ -47,11 +47,29 @@ def add_to_status(run_dir: Path, **fields: Any) -> None:
 
 
 def _write(run_dir: Path, record: dict[str, Any]) -> None:
-    path = run_dir / STATUS_FILE
+    """Replace status.json whole; when that fails (a full disk has no room for the new file), overwrite the old one
+    in place: the blocks it holds already take the record, so that status.json tells how the run ended."""
+    path, text = run_dir / STATUS_FILE, (json_text(record) + "\n").encode()
     try:
-        write_atomic(path, json_text(record) + "\n")
+        write_atomic(path, text)
+        return
     except OSError as e:
-        log.warning(f"could not record the run's status in {path}: {e}")
+        error = e
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            os.pwrite(fd, text, 0)
+            os.ftruncate(fd, len(text))
+            os.fsync(fd)
+            return
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    log.warning(f"could not record the run's status in {path}: {error.strerror or error}")
 
 
 def read_status(run_dir: Path) -> Optional[dict[str, Any]]:

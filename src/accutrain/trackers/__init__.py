@@ -17,6 +17,7 @@ from accutrain.config.targets import instantiate, load_target, plain
 from accutrain.errors import UserError
 from accutrain.report.runs import read_overrides
 from accutrain.store.files import write_atomic
+from accutrain.store.owned import TRACKERS_FILE, check_tracker_paths
 from accutrain.trackers.base import RunEnd, RunInfo, Tracker, flatten, scalars
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ __all__ = ["RunEnd", "RunInfo", "Tracker", "Trackers", "scalars"]
 
 log = logging.getLogger("accutrain")
 
-SAVED_FILE = "trackers.json"
+SAVED_FILE = TRACKERS_FILE
 
 
 class Trackers:
@@ -41,7 +42,9 @@ class Trackers:
     @classmethod
     def build(cls, cfg: DictConfig, run_dir: Path) -> "Trackers":
         """Build every `logger.<name>` from its `_target_` and other keys; a tracker whose library is missing, or an
-        option it does not take, is one line."""
+        option it does not take, or a file or directory it would write that is accutrain's own or an existing file
+        outside the run directory (store.owned), is one line."""
+        check_tracker_paths(run_dir, cfg)
         built = {}
         for name, node in cfg.get("logger", {}).items():
             if not isinstance(node, DictConfig) or "_target_" not in node:

@@ -8,9 +8,12 @@ nothing to do, for whoever likes one. A method that raises switches its tracker 
 from __future__ import annotations
 
 import math
+import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
+from urllib.parse import urlsplit
 
 from accutrain.errors import UserError
 from accutrain.store.files import read_jsonl
@@ -105,3 +108,26 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Number]:
 def needs(package: str, extra: str) -> UserError:
     """The one line for a tracker whose library is not installed."""
     return UserError(f"logger={extra} needs the {package} package: pip install \"accutrain[{extra}]\"")
+
+
+REACH_S = 3.0  # how long a network tracker's server may take to accept a connection at start
+
+
+def reach(uri: str, key: str, seconds: float = REACH_S) -> None:
+    """Open (and close) a TCP connection to the server of an http(s) `uri` within `seconds`, or raise ConnectionError
+    naming `key`: a tracker whose server does not answer is switched off at start instead of holding the run in its
+    client's retries (minutes). Other URIs (files, sqlite) are left alone."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:
+        raise ConnectionError(f"{key}={uri}: {e}") from None
+    began = time.monotonic()
+    try:
+        socket.create_connection((parts.hostname, port), timeout=seconds).close()
+    except OSError as e:
+        raise ConnectionError(f"{key}={uri}: no server answered at {parts.hostname}:{port} within "
+                              f"{seconds:g} s ({e.strerror or type(e).__name__}, after "
+                              f"{time.monotonic() - began:.1f} s)") from None

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from accutrain.trackers.base import RunEnd, RunInfo, Tracker, needs, scalars
+from accutrain.trackers.base import RunEnd, RunInfo, Tracker, needs, reach, scalars
 
 log = logging.getLogger("accutrain")
 
 STATUS = {"completed": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 LAST_STEP_TAG = "accutrain.last_step"  # every step up to this one is in the store
 MAX_METRICS, MAX_PARAMS = 1000, 100  # per log_batch call (MLflow's limits)
+# A server's calls: MLflow's own defaults (7 retries with backoff, 120 s each) would hold training for minutes when
+# the server goes away; these bound it, unless the environment sets them.
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 class MLflow(Tracker):
@@ -40,6 +44,9 @@ class MLflow(Tracker):
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         uri = self.tracking_uri or f"sqlite:///{(run.run_dir.parent / 'mlflow.db').resolve()}"
         db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+        reach(uri, "logger.mlflow.tracking_uri")  # a server that does not answer: switched off now, in seconds
+        for name, value in HTTP_LIMITS.items():
+            os.environ.setdefault(name, value)
         with creating(db):  # the client creates a new store's tables: parallel jobs must not both do it
             self.client = client = self.client_class(tracking_uri=uri)
             experiment_id = self._experiment(run, db)

@@ -31,6 +31,7 @@ from accutrain.signals import StopRequest
 from accutrain.train.components import Components
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
+from accutrain.train.stopping import Abandoned, WindowWatch
 
 log = logging.getLogger("accutrain")
 
@@ -55,6 +56,7 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
     params = [param for param in parts.model.parameters() if param.requires_grad]
     record = StepLog(parts, metrics, progress)
     counts = TermCounts(parts.loader.dataset, parts.sampler, parts.loss) if parts.loss.elements else None
+    watch = WindowWatch(parts, stop)  # a stop signal mid-window: finish the window, or abandon it (train/stopping.py)
     parts.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check)
     if parts.buffers:
         parts.buffers.clear()
@@ -62,11 +64,20 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
         parts.sampler.set_epoch(epoch, start_window=progress.window)
         for window, batches in windows_of(parts.loader):
             record.start()
+            watch.begin(len(window.sizes))
             terms = window_terms(parts, window, counts)  # |W|: the window's samples (or elements), all ranks
-            loss_sum = accumulate_window(parts, progress, window, batches, terms)  # forward+backward per micro-batch
+            try:  # forward+backward per micro-batch
+                loss_sum = accumulate_window(parts, progress, window, batches, terms, watch)
+            except Abandoned as abandoned:  # the weights are those of the last completed step: checkpoint them
+                watch.drop(abandoned, progress.step)
+                metrics.flush()
+                return outcome(record, progress, stop.name, save(progress))
             if parts.buffers:
                 parts.buffers.release()  # the window's summed gradients back into .grad
-            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop)  # unscale, norm, clip, all-reduce
+            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s)  # unscale, norm, …
+            watch.ended(settled.window_s, len(window.sizes))  # the pace every rank agrees on, for the next window
+            if settled.stop:
+                watch.finished(progress.step + 1)
             lr_factor = parts.lr_scaling.factor(window.batch)
             loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * lr_factor
             skipped = optimizer_step(parts, loss, settled, lr_factor, progress)
@@ -92,11 +103,13 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
 
 
 def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], loss_sum: torch.Tensor,
-           stop: StopRequest) -> Settled:
+           stop: StopRequest, window_s: float = 0.0) -> Settled:
     """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
     update do, without step's wait: precision.found_inf_and_update), the global norm (clipped if asked), and with
-    several ranks one all-reduce of the loss and the stop votes; then the host reads it all as one small tensor
-    (`loss_sum`, this rank's summed loss, included) — the step's only synchronisation."""
+    several ranks one all-reduce of the loss, the stop votes and the previous window's time (`window_s`, averaged,
+    for stopping.WindowWatch); then the
+    host reads it all as one small tensor (`loss_sum`, this rank's summed loss, included) — the step's only
+    synchronisation."""
     device, scaler = parts.device, parts.precision.scaler
     if scaler:
         scaler.unscale_(parts.optimizer)  # before the norm and clipping
@@ -105,13 +118,14 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
         found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
         figures.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
     stopping = stop.signum is not None
-    head = torch.stack([loss_sum, torch.tensor(float(stopping), dtype=torch.float64, device=device)])
-    if parts.world.size > 1:  # every rank's loss and stop vote, summed
+    head = torch.cat([loss_sum.reshape(1), torch.tensor([float(stopping), window_s], dtype=torch.float64,
+                                                        device=device)])
+    if parts.world.size > 1:  # every rank's loss, stop vote and window time, summed
         head = dist.all_reduce_sum(head, parts.world)
     values = torch.cat([head, torch.stack(list(figures.values())).double()]).tolist()  # the one wait
-    read = dict(zip(figures, values[2:]))
+    read = dict(zip(figures, values[3:]))
     return Settled(loss_sum=values[0], norm=read["norm"], stop=values[1] > 0, overflow=read.get("found_inf", 0.0) > 0,
-                   scale=read.get("scale"))
+                   scale=read.get("scale"), window_s=values[2] / parts.world.size)
 
 
 def outcome(record: StepLog, progress: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
@@ -136,13 +150,13 @@ def window_terms(parts: Components, window: Window, counts: Optional[TermCounts]
     return terms
 
 
-def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int
-                      ) -> torch.Tensor:
+def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int,
+                      watch: Optional[WindowWatch] = None) -> torch.Tensor:
     """accumulate() the window's micro-batches, each cut into progress.oom_parts; after an out-of-memory, the window
     again from its first micro-batch, cut into twice as many: those the loader gave already are read anew from the
     sampler (the same samples, views and mixes: a window is a function of the seed, its epoch and its index), so no
-    micro-batch is kept for a replay."""
-    batches, taken = iter(batches), 0
+    micro-batch is kept for a replay. Between micro-batches `watch` may abandon the window for a stop signal."""
+    batches, taken, total = iter(batches), 0, len(window.sizes)
 
     def micro_batches() -> Iterator[Any]:
         nonlocal taken
@@ -151,6 +165,8 @@ def accumulate_window(parts: Components, progress: Progress, window: Window, bat
             again = parts.sampler.micro_batches_of(window)[:taken]
             yield from cut_micro_batches((parts.loader.dataset.__getitems__(m)[1] for m in again), cuts)
         for batch in batches:
+            if taken and watch is not None:
+                watch.between(taken, total)  # every rank here at the same micro-batch: may raise Abandoned
             taken += 1
             if cuts == 1:
                 yield batch

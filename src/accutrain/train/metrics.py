@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,16 +21,19 @@ class MetricsLog:
     Step records are buffered and written together — every `FLUSH_RECORDS` records or `FLUSH_S` seconds, at each
     evaluation, before each checkpoint (the loop calls flush()) and at close — so a killed run loses only records
     after its last checkpoint, which a resume drops anyway (resume.keep_metrics_until). With no path (ranks other
-    than 0) it writes nothing.
+    than 0) it writes nothing. A write that fails (a full disk) is cut back to the last whole line, said in one line,
+    and tried again at the next flush with every record since: training goes on.
     """
 
     FLUSH_RECORDS, FLUSH_S = 100, 2.0
 
     def __init__(self, path: Optional[Path], trackers: Optional[Trackers] = None) -> None:
-        self.file = open(path, "a") if path is not None else None
+        self.path = path
+        self.file = open(path, "ab", buffering=0) if path is not None else None
         self.trackers = trackers or Trackers()
         self.pending: list[dict[str, Any]] = []
         self.flushed = time.monotonic()
+        self.failure: Optional[str] = None  # why the latest write failed, while it has not succeeded since
 
     def write(self, record: dict[str, Any]) -> None:
         """Write `record` now, after the pending ones."""
@@ -37,12 +41,33 @@ class MetricsLog:
         self.flush()
 
     def flush(self) -> None:
-        """Put every pending record in the file (one write) and hand it to the OS."""
-        if self.file is not None and self.pending:
-            self.file.write("".join(json_text(record) + "\n" for record in self.pending))
-            self.file.flush()
-        self.pending.clear()
+        """Put every pending record in the file (one write) and hand it to the OS; on a failed write keep them."""
         self.flushed = time.monotonic()
+        if self.file is None or not self.pending:
+            self.pending.clear()
+            return
+        data = "".join(json_text(record) + "\n" for record in self.pending).encode()
+        fd = self.file.fileno()
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self.file.write(view):]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)  # no half line for the next write to run into
+            except OSError:
+                pass
+            if self.failure is None:
+                logging.getLogger("accutrain").error(
+                    f"could not write {self.path} ({e.strerror or e}): training goes on, its records are kept and "
+                    "written with the next ones")
+            self.failure = e.strerror or str(e)
+            return
+        if self.failure is not None:
+            logging.getLogger("accutrain").info(f"{self.path}: written again ({len(self.pending)} records had waited)")
+            self.failure = None
+        self.pending.clear()
 
     def step(self, record: dict[str, Any]) -> None:
         """An optimizer step's record."""
@@ -58,8 +83,14 @@ class MetricsLog:
         self.trackers.log_eval(record)
 
     def close(self) -> None:
+        """Write what is pending; records that still cannot be written are said in one line."""
         if self.file is not None:
             self.flush()
+            if self.pending:
+                logging.getLogger("accutrain").error(
+                    f"{len(self.pending)} records (up to optimizer step "
+                    f"{max((r.get('step', 0) for r in self.pending), default=0)}) could not be written to "
+                    f"{self.path} ({self.failure})")
             self.file.close()
             self.file = None
 

@@ -29,6 +29,7 @@ class Settled:
     stop: bool
     overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
     scale: Optional[float] = None  # the GradScaler's scale for the next window
+    window_s: float = 0.0  # the previous window's time, averaged over the ranks (for stopping.WindowWatch)
 
 
 class StepLog:
