@@ -262,3 +262,5 @@ def test_a_sharded_checkpoint_missing_or_cut_shard_falls_back_in_one_line(net):
     assert len([line for line in output.splitlines() if "warning: resume=auto" in line]) == 3
     assert [r["step"] for r in read_metrics(resumed)[0]] == list(range(1, 13))
     assert_identical(saved(resumed)["model"], reference["model"])
+    aside = next(ckpts.glob("abandoned-*"))  # the broken ones, kept: the live branch went on from step 3
+    assert {"step-00000004", "step-00000005", "step-00000006"} <= {p.name for p in aside.iterdir()}

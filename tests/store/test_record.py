@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from accutrain.errors import UserError
-from accutrain.store import record
+from accutrain.store import record, rundir
 from accutrain.store.status import add_to_status, read_status, recorded, write_status
 from conftest import TINY, assert_one_line_error, run_cli, train_run
 
@@ -24,7 +24,7 @@ def files(folder: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_a_refused_resume_changes_nothing_on_disk(tmp_path):
     """`resume=auto seed=1` on a finished run used to leave status.json `failed` without its plan and best, and the
-    refused command in .hydra/overrides.yaml."""
+    refused command in .hydra/overrides.yaml (as did a resume refused because another accutrain holds the run)."""
     run_dir, _ = train_run(tmp_path, "run", *QUICK)
     before = files(run_dir)
     assert {".hydra/overrides.yaml", "config.yaml", "metrics.jsonl", "status.json"} <= before.keys()
@@ -36,6 +36,10 @@ def test_a_refused_resume_changes_nothing_on_disk(tmp_path):
         assert proc.returncode == 2
         assert_one_line_error(proc, says)
         assert files(run_dir) == before, refused
+    with rundir.held(run_dir):  # another accutrain holds the directory: Hydra's .hydra/ used to be rewritten
+        _, proc = train_run(tmp_path, "run", *QUICK, "resume=auto", check=False)
+    assert_one_line_error(proc, "is in use: another accutrain is running in it")
+    assert files(run_dir) == before
 
 
 @pytest.mark.slow
