@@ -108,6 +108,7 @@ class SyntheticData(DataConfig):
     channels: int = 3
     noise: float = 1.0
     seed: int = II("seed")
+    target: str = "classes"  # classes | regression (num_classes floats) | multilabel (multi-hot over num_classes)
 
 
 @dataclass
@@ -201,12 +202,34 @@ class CosineSched(SchedConfig):
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak lr
 
 
+# --- loss/ --------------------------------------------------------------------------------------------
+# `_target_` is the loss's factory (accutrain.core.losses); every other key is a keyword argument of it.
 @dataclass
-class LossConfig:
+class LossConfig:  # loss=cross_entropy
+    _target_: str = "accutrain.core.losses.cross_entropy"
     normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
     shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
     label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class
+
+
+@dataclass
+class ElementLoss:  # loss=mse | l1 | huber | bce: float targets, summed per element
+    _target_: str = MISSING
+    normalize: Normalize = Normalize.auto  # auto = elements: the mean over elements; samples: over samples
+    ignore_index: int = -100  # target elements equal to this count neither in the loss nor in the mean
+
+
+@dataclass
+class HuberLoss(ElementLoss):
+    _target_: str = "accutrain.core.losses.huber"
+    delta: float = 1.0  # squared below |error| = delta, linear above
+
+
+@dataclass
+class BCELoss(ElementLoss):
+    _target_: str = "accutrain.core.losses.bce"
+    pos_weight: Optional[float] = None  # weight of the positive labels' terms (BCEWithLogitsLoss's pos_weight)
 
 
 # --- augment/ ------------------------------------------------------------------------------------------

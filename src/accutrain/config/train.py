@@ -17,8 +17,9 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from accutrain.config.schemas import (AdamWOptim, AugmentConfig, CharLMModel, CNNModel, ConstantSched, CosineSched,
-                                      DigitsData, HFCausalLMModel, HFSeqClsModel, ImageFolderData, LossConfig, MLPModel,
+from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BCELoss, CharLMModel, CNNModel, ConstantSched,
+                                      CosineSched, DigitsData, ElementLoss, HFCausalLMModel, HFSeqClsModel, HuberLoss,
+                                      ImageFolderData, LossConfig, MLPModel,
                                       SequenceData, SGDOptim, SyntheticData, TextData, TorchvisionData,
                                       TorchvisionModel)
 from accutrain.core.options import LastWindow
@@ -135,7 +136,7 @@ class TrainerConfig:
     ema: Optional[float] = None  # decay of an exponential moving average of the weights (e.g. 0.999); null: none
     ema_warmup: bool = False  # decay min(ema, (1 + n) / (10 + n)) after n updates: the average forgets its start
     ema_device: Optional[str] = None  # where the average lives: null beside the weights, or cpu
-    monitor: str = "val_acc"  # the evaluation metric best.pt and early stopping follow (val_loss, val_acc, *_ema)
+    monitor: str = "auto"  # the evaluation metric best.pt and early stopping follow; auto: the loss's (core/monitor)
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
     early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
     min_delta: float = 0.0  # an improvement must exceed this to count
@@ -170,7 +171,7 @@ class TrainConfig:
     sched: Any = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: Any = MISSING
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: Any = MISSING  # loss=cross_entropy|bce|mse|l1|huber|custom (configs/loss/)
     logger: Dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # Batch arithmetic: effective batch = micro_batch x accum x devices. Typed Any so that accutrain, not
@@ -206,6 +207,10 @@ SCHEMAS = {
     ("strategy", "fsdp_schema"): FSDPStrategy,
     ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
     ("augment", "augment_schema"): AugmentConfig,
+    ("loss", "cross_entropy_schema"): LossConfig,
+    ("loss", "element_schema"): ElementLoss,
+    ("loss", "huber_schema"): HuberLoss,
+    ("loss", "bce_schema"): BCELoss,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,
@@ -220,6 +225,7 @@ OWN_KEYS = {
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
     "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),
+    "loss": ("_target_",),
     "logger": ("_target_",),  # each logger.<name> is a tracker; its other keys are its keyword arguments
 }
 

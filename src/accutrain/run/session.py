@@ -65,7 +65,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
                  f"({c.plan.total_steps} steps): nothing left to train")
         return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
     if world.main:
-        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None)
+        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None, monitor=c.monitor.metric)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
     metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
     try:

@@ -22,7 +22,7 @@ from torch import nn
 from accutrain.config.validate import validate
 from accutrain.core import memory
 from accutrain.core.batches import Batch, as_batch
-from accutrain.core.loss import SummedLoss
+from accutrain.core.loss import Loss, SummedLoss
 from accutrain.core.plan import derive_accum
 from accutrain.core.precision import full_float32, tolerance
 from accutrain.core.step import accumulate
@@ -108,7 +108,7 @@ def window_batches(c: Components, devices: int = 1) -> tuple[list[Batch], Batch]
 
 
 def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
-              loss: SummedLoss) -> dict[str, torch.Tensor]:
+              loss: Loss) -> dict[str, torch.Tensor]:
     """The window's gradient, accumulated over `micro`; the model's weights, statistics, gradients and gradient
     buffers are as before afterwards, also when it fails (an out-of-memory halfway through backward, say)."""
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -171,7 +171,10 @@ def _compare(c: Components) -> Check:
 
     big = [whole]
     per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
-    reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
+    # the big batch's mean: cross-entropy's over its elements when the targets are per element (a check of
+    # loss.normalize too); another loss's as it counts its terms
+    reference_terms = (dataclasses.replace(loss, elements=per_element) if isinstance(loss, SummedLoss)
+                       else loss).terms(big)
     reference, where = None, str(device)
     try:
         reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)

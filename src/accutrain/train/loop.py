@@ -225,10 +225,11 @@ def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -
         with parts.ema.swapped_in(parts.model):
             record.update(measure(parts, "_ema"))
     metrics.evaluation(record)
-    log.info(f"step {progress.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
-             f"{record['val_acc']:.4f}" + (f"  val_ppl {record['val_ppl']:.4g}" if "val_ppl" in record else "")
-             + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc {record['val_acc_ema']:.4f})"
-                if parts.ema is not None else ""))
+    log.info(f"step {progress.step} (epoch {record['epoch']}): " + "  ".join(
+        f"{name} {value:.4g}" if name == "val_ppl" else f"{name} {value:.4f}" for name, value in record.items()
+        if name.startswith("val_") and not name.endswith("_ema")) + (
+        "  (ema: " + "  ".join(f"{name.removesuffix('_ema')} {value:.4f}" for name, value in record.items()
+                               if name.endswith("_ema")) + ")" if parts.ema is not None else ""))
     value = record[parts.monitor.metric]
     if parts.monitor.improves(value, progress.best):
         progress.best, progress.best_step, progress.evals_since_best = value, progress.step, 0
@@ -238,10 +239,8 @@ def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -
 
 
 def measure(parts: Components, suffix: str) -> dict[str, float]:
-    """val_loss and val_acc (named with `suffix`) of the model's current weights over the whole held-out split."""
+    """The loss's metrics (val_loss, and val_acc, val_mae/val_rmse or val_f1; named with `suffix`) of the model's
+    current weights over the whole held-out split: every rank's sums added, then divided once."""
     sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
-    loss_sum, correct, n = dist.all_reduce_sum(sums, parts.world).tolist()
-    measured = {f"val_loss{suffix}": loss_sum / n, f"val_acc{suffix}": correct / n}
-    if parts.loss.elements:  # perplexity, per token
-        measured[f"val_ppl{suffix}"] = math.exp(min(loss_sum / n, 700))
-    return measured
+    measured = parts.loss.eval_metrics(dist.all_reduce_sum(sums, parts.world).tolist())
+    return {f"{name}{suffix}": value for name, value in measured.items()}
