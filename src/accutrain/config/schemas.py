@@ -96,6 +96,7 @@ class DataConfig:
 @dataclass
 class DigitsData(DataConfig):
     _target_: str = "accutrain.data.digits"
+    views: int = 1  # 2: two random views of each sample (augment=), drawn from (seed, epoch, sample, view): loss=contrastive
 
 
 @dataclass
@@ -109,6 +110,7 @@ class SyntheticData(DataConfig):
     noise: float = 1.0
     seed: int = II("seed")
     target: str = "classes"  # classes | regression (num_classes floats) | multilabel (multi-hot over num_classes)
+    views: int = 1  # 2: two random views of each sample (augment=), drawn from (seed, epoch, sample, view): loss=contrastive
 
 
 @dataclass
@@ -224,6 +226,16 @@ class ElementLoss:  # loss=mse | l1 | huber | bce: float targets, summed per ele
 class HuberLoss(ElementLoss):
     _target_: str = "accutrain.core.losses.huber"
     delta: float = 1.0  # squared below |error| = delta, linear above
+
+
+@dataclass
+class ContrastiveLossConfig:  # loss=contrastive
+    _target_: str = "accutrain.core.contrastive.contrastive"
+    temperature: float = 0.07  # τ: cosine similarities × 1/τ (learn_temperature: τ's starting value)
+    symmetric: bool = True  # CLIP's mean of both directions; false: view 0 against every view 1 only
+    learn_temperature: bool = False  # a parameter the optimizer steps and checkpoints hold
+    window: bool = True  # false: each micro-batch's own loss (naive accumulation, not the big batch's objective)
+    ignore_index: int = -100  # unused; the data's padding default reads it
 
 
 @dataclass

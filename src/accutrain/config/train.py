@@ -18,8 +18,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BCELoss, CharLMModel, CNNModel, ConstantSched,
-                                      CosineSched, DigitsData, ElementLoss, HFCausalLMModel, HFSeqClsModel, HuberLoss,
-                                      ImageFolderData, LossConfig, MLPModel,
+                                      ContrastiveLossConfig, CosineSched, DigitsData, ElementLoss, HFCausalLMModel,
+                                      HFSeqClsModel, HuberLoss, ImageFolderData, LossConfig, MLPModel,
                                       SequenceData, SGDOptim, SyntheticData, TextData, TorchvisionData,
                                       TorchvisionModel)
 from accutrain.core.options import LastWindow
@@ -211,6 +211,7 @@ SCHEMAS = {
     ("loss", "element_schema"): ElementLoss,
     ("loss", "huber_schema"): HuberLoss,
     ("loss", "bce_schema"): BCELoss,
+    ("loss", "contrastive_schema"): ContrastiveLossConfig,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,
@@ -221,7 +222,7 @@ SCHEMAS = {
 # Keys of each group that accutrain applies itself; every other key is a keyword argument of the group's _target_.
 OWN_KEYS = {
     "model": ("_target_", "sync_batchnorm", "norm", "norm_groups"),
-    "data": ("_target_", "num_workers", "input_keys", "target_key"),
+    "data": ("_target_", "num_workers", "input_keys", "target_key", "views"),
     "optim": ("_target_", "lr_scaling", "base_batch"),
     "sched": ("_target_",),
     "strategy": ("name", "wrap", "sync", "reshard_after_forward", "cpu_offload", "checkpoint"),

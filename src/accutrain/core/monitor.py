@@ -14,9 +14,10 @@ TASK_METRICS = {
     "regression": ("val_loss", "val_mae", "val_rmse"),
     "multilabel": ("val_loss", "val_f1"),
     "custom": ("val_loss",),
+    "contrastive": ("val_loss", "val_recall1"),
 }
 METRICS = ("auto", *dict.fromkeys(m + ema for ms in TASK_METRICS.values() for m in ms for ema in ("", "_ema")))
-HIGHER_IS_BETTER = ("val_acc", "val_f1")
+HIGHER_IS_BETTER = ("val_acc", "val_f1", "val_recall1")
 
 
 def mode_of(metric: str, mode: Optional[str]) -> str:

@@ -4,17 +4,22 @@ counts its terms."""
 from __future__ import annotations
 
 import functools
+import logging
 import inspect
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+import torch
 from torch import nn
 
 from accutrain.config.targets import accepted, factory
 from accutrain.core import losses
+from accutrain.core.contrastive import HEAD, ContrastiveLoss, Temperature
 from accutrain.core.loss import Loss
 from accutrain.errors import UserError
+from accutrain.models.norms import REMEDIES, batchnorm_layers
 
+log = logging.getLogger("accutrain")
 OWN = ("normalize", "ignore_index")  # a custom loss's keys that accutrain applies, not its _target_
 
 
@@ -22,7 +27,7 @@ def build_loss(node: DictConfig | dict, model: Optional[nn.Module] = None) -> Lo
     """The loss the node describes; `model` lends its defaults (model=hf_causal_lm: tokens, shifted labels) to the
     built-in factories that take it."""
     make, kwargs = factory("loss", node)
-    if getattr(make, "__module__", None) == losses.__name__:
+    if getattr(make, "__module__", "").startswith("accutrain.core."):  # a built-in option's factory
         return make(**kwargs, **accepted(make, dict(model=model)))
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     own = {k: kwargs.pop(k) for k in OWN if k in kwargs}
@@ -39,3 +44,42 @@ def check_targets(loss: Loss, target: Any, data: str) -> None:
                         f"{target.dtype} class indices: use loss=cross_entropy, or data whose targets are "
                         f"{'values' if loss.task == 'regression' else 'multi-hot'} (data=synthetic data.target="
                         f"{loss.task})")
+
+
+def attach(loss: Loss, model: nn.Module, cfg: DictConfig) -> None:
+    """What a window-level loss (loss=contrastive) needs of the run, or one line saying what it cannot work with;
+    a learnt temperature becomes a parameter of the model (`contrastive.logit_scale`): the optimizer steps it and
+    checkpoints hold it, while DDP leaves it alone (its gradient is the same on every rank)."""
+    views = cfg.data.get("views", 1)
+    if not isinstance(loss, ContrastiveLoss):
+        if views != 1:
+            raise UserError(f"data.views={views} makes pairs of views for loss=contrastive; this run's loss is "
+                            f"{getattr(loss, 'name', loss.task)}: set data.views=1, or loss=contrastive")
+        return
+    if views != 2:
+        raise UserError("loss=contrastive needs pairs: set data.views=2 (two random views of each sample, with a "
+                        "random augment=, e.g. augment=crop_flip)")
+    refused = [
+        (cfg.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
+        (cfg.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        (cfg.trainer.accum_dtype is not None or cfg.trainer.offload_grads,
+         "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
+        (cfg.augment.mixup_alpha > 0 or cfg.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",
+         "set them to 0: pairs are not mixed"),
+    ]
+    for bad, key, remedy in refused:
+        if bad:
+            raise UserError(f"loss=contrastive cannot be combined with {key}: {remedy}")
+    if batchnorm_layers(model, True):
+        raise UserError(f"loss=contrastive with BatchNorm in the encoder is not exact (each pass normalises a "
+                        f"micro-batch with its own statistics, and the running statistics would move twice): "
+                        f"{REMEDIES}")
+    if not loss.window:
+        log.warning("loss.window=false: each micro-batch's contrastive loss has only its own samples as negatives, "
+                    "so the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)")
+    if loss.learn_temperature:
+        first = next(model.parameters())
+        loss.head = Temperature(loss.temperature).to(device=first.device, dtype=torch.float32)
+        model.add_module(HEAD, loss.head)
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [f"{HEAD}.logit_scale"])

@@ -3,6 +3,7 @@ window loader, and how the ranks share the model (the strategy: DDP or FSDP). Ea
 factory chosen by the config."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +29,7 @@ from accutrain.data import views
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import factories as models
-from accutrain.models.losses import build_loss, check_targets
+from accutrain.models.losses import attach, build_loss, check_targets
 from accutrain.models import norms, pitfalls
 from accutrain.models.checkpointing import enable_activation_checkpointing
 from accutrain.models.ema import make_ema
@@ -48,7 +49,8 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     data_kwargs = {**accepted(make_data, dict(seed=cfg.seed)), **data_kwargs}  # the run's seed, unless given
     with main_first(world), torch.random.fork_rng(devices=[]):
         datasets: data.Datasets = make_data(**data_kwargs)
-    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
+    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed,  # training views per (seed, epoch, sample)
+                           cfg.data.get("views", 1))
     precision = make_precision(trainer.precision, device)
     batches = batch_format(cfg.data, datasets.collate)
     strategy = make_strategy(cfg, world, device, precision)
@@ -56,6 +58,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
     loss = build_loss(cfg.loss, model)  # loss=: summed per term, |W| counted from the targets
     check_targets(loss, batches([datasets.train[0]]).target, cfg.data._target_)
+    attach(loss, model, cfg)  # a window-level loss: its refusals, its learnt temperature
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
     if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
         raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
@@ -131,6 +134,8 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, 
     once micro_batch=auto has searched)."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
+    if cfg.data.get("views", 1) > 1:  # pairs of views: the model embeds one view at a time
+        example = dataclasses.replace(example, inputs=example.inputs[:, 0])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     norms.convert_norm(model, cfg.model.get("norm", "keep"), cfg.model.get("norm_groups", 32))
     if cfg.trainer.activation_checkpointing:

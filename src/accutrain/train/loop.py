@@ -21,6 +21,8 @@ from accutrain import dist
 from accutrain.config.train import OnNonFinite
 from accutrain.core import lr_scaling, memory
 from accutrain.core.precision import found_inf_and_update
+from accutrain.core.contrastive import ContrastiveLoss
+from accutrain.core.gradcache import accumulate_window_loss, evaluate_window
 from accutrain.core.progress import Progress
 from accutrain.core.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
 from accutrain.core.terms import TermCounts
@@ -159,6 +161,10 @@ def accumulate_window(parts: Components, progress: Progress, window: Window, bat
 
     while True:
         try:
+            if isinstance(parts.loss, ContrastiveLoss):  # a window-level loss: two passes (core/gradcache.py)
+                return accumulate_window_loss(parts.wrapped, micro_batches(), terms, parts.device, parts.loss,
+                                              world=parts.world.size, no_sync=parts.strategy.no_sync,
+                                              precision=parts.precision)
             return accumulate(parts.wrapped, micro_batches(), terms, parts.device, world=parts.world.size,
                               no_sync=parts.strategy.no_sync, precision=parts.precision, loss=parts.loss)
         except Exception as e:
@@ -241,6 +247,10 @@ def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -
 def measure(parts: Components, suffix: str) -> dict[str, float]:
     """The loss's metrics (val_loss, and val_acc, val_mae/val_rmse or val_f1; named with `suffix`) of the model's
     current weights over the whole held-out split: every rank's sums added, then divided once."""
-    sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
+    if isinstance(parts.loss, ContrastiveLoss):  # the held-out split as one set of candidates
+        sums = evaluate_window(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss,
+                               parts.world.size)
+    else:
+        sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
     measured = parts.loss.eval_metrics(dist.all_reduce_sum(sums, parts.world).tolist())
     return {f"{name}{suffix}": value for name, value in measured.items()}
