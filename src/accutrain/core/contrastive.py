@@ -22,7 +22,7 @@ from torch import nn
 from accutrain.core.batches import Batch, as_batch
 from accutrain.errors import UserError
 
-HEAD = "contrastive"  # the module the learnt temperature lives in, on the model (checkpointed and stepped with it)
+HEAD = "contrastive_logit_scale"  # the learnt temperature, as a parameter of the model (stepped, checkpointed)
 
 
 class Temperature(nn.Module):

@@ -8,7 +8,8 @@
 
 Every rank computes the same L from the same gathered embeddings and backpropagates only its own samples' rows of
 G through its own encoder; DDP's mean over ranks then gives ∇(L / |W|), the big batch's gradient. A learnt
-temperature's gradient comes from the loss alone: the same on every rank, set once, not reduced.
+temperature's gradient comes from the loss alone, the same on every rank; DDP reduces it with the window's last
+backward like any weight's.
 Memory: the window's embeddings and its micro-batches' inputs (kept for pass 2), one micro-batch's activations.
 """
 from __future__ import annotations
@@ -87,8 +88,9 @@ def accumulate_window_loss(
     wrt = [everyone] + ([loss.head.logit_scale] if loss.head is not None else [])
     grads = torch.autograd.grad(per_sample.sum(), wrt) if len(everyone) else [torch.zeros_like(w) for w in wrt]
     cache = (grads[0] * scale)[mine]  # ∂(L × world / |W|)/∂ this rank's embeddings
-    if loss.head is not None:  # identical on every rank (the same L): no reduction, so no × world
-        add_grad(loss.head.logit_scale, grads[1] / terms)
+    if loss.head is not None:  # the same on every rank (the same L): DDP's mean over ranks keeps it
+        (loss.head.logit_scale * (grads[1] / terms)).backward()  # outside a DDP forward: accumulated, not reduced
+    touch = loss.head.logit_scale * 0.0 if loss.head is not None else 0.0  # DDP reduces it with the last backward
 
     todo = [b for b in batches if not b.stand_in] or batches[-1:]
     if batches and batches[-1].stand_in and len(todo) and not todo[-1].stand_in:
@@ -102,14 +104,14 @@ def accumulate_window_loss(
                 batch = batch.to(device) if device.type != "cpu" else batch
                 with precision.autocast():
                     out = embed(model, batch, precision.inputs)
-                precision.backward(wide(out).sum(), 0.0)
+                precision.backward(wide(out).sum() + touch, 0.0)
                 continue
             set_rng(states[k], device)
             batch = real[k]
             with precision.autocast():
                 out = embed(model, batch, precision.inputs)
             n = len(batch)
-            precision.backward((wide(out) * cache[offset: offset + n]).sum())
+            precision.backward((wide(out) * cache[offset: offset + n]).sum() + (touch if last else 0.0))
             offset += n
     set_rng(after, device)
     return per_sample.detach()[mine].double().sum()
@@ -135,15 +137,7 @@ def naive(model: nn.Module, batches: list[Batch], real: list[Batch], scale: floa
             precision.backward(summed, 0.0 if batch.stand_in else scale)
         if not batch.stand_in:
             total += summed.detach()
-    if loss.head is not None and world > 1:  # each rank's own micro-batches: the mean over ranks, as DDP's
-        grad = loss.head.logit_scale.grad
-        tdist.all_reduce(grad)
-        grad /= world
     return total
-
-
-def add_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    param.grad = grad.detach().clone() if param.grad is None else param.grad + grad
 
 
 @torch.no_grad()

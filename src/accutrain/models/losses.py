@@ -48,8 +48,8 @@ def check_targets(loss: Loss, target: Any, data: str) -> None:
 
 def attach(loss: Loss, model: nn.Module, cfg: DictConfig) -> None:
     """What a window-level loss (loss=contrastive) needs of the run, or one line saying what it cannot work with;
-    a learnt temperature becomes a parameter of the model (`contrastive.logit_scale`): the optimizer steps it and
-    checkpoints hold it, while DDP leaves it alone (its gradient is the same on every rank)."""
+    a learnt temperature becomes a parameter of the model (`contrastive_logit_scale`): the optimizer steps it and
+    checkpoints hold it, DDP reduces it."""
     views = cfg.data.get("views", 1)
     if not isinstance(loss, ContrastiveLoss):
         if views != 1:
@@ -80,6 +80,4 @@ def attach(loss: Loss, model: nn.Module, cfg: DictConfig) -> None:
     if loss.learn_temperature:
         first = next(model.parameters())
         loss.head = Temperature(loss.temperature).to(device=first.device, dtype=torch.float32)
-        model.add_module(HEAD, loss.head)
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [f"{HEAD}.logit_scale"])
+        model.register_parameter(HEAD, loss.head.logit_scale)  # not a module: an nn.Sequential would call it
