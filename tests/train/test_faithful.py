@@ -226,3 +226,12 @@ def test_check_covers_a_custom_loss(compose, tmp_path, monkeypatch):
             "data.target=regression"]
     result = check(compose, *args, "model.hidden=[32]")
     assert result.faithful and result.overall < 1e-6, result.lines()
+
+
+def test_check_covers_the_contrastive_window_loss(compose):
+    args = ["debug=fast", "model.hidden=[32]", "loss=contrastive", "data.views=2", "augment.crop=pad",
+            "augment.padding=1", "micro_batch=8", "accum=4"]
+    exact = check(compose, *args, "loss.learn_temperature=true")
+    assert exact.faithful and exact.overall < 1e-6, exact.lines()
+    naive = check(compose, *args, "loss.window=false")  # each micro-batch its own negatives: not the big batch's
+    assert not naive.faithful and naive.overall > 1e-2
