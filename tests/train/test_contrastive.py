@@ -1,10 +1,13 @@
 """loss=contrastive keeps the promise: micro_batch=8 accum=8, and devices=2 micro_batch=8 accum=4, end with the
 weights of micro_batch=64 (AdamW, clipping, float32, no dropout), on windows with a short tail — while the naive
 per-micro-batch loss (loss.window=false) does not; bad combinations are one line naming the key."""
+import signal
+
 import pytest
 import torch
 
-from conftest import TINY, TINY_DATA, assert_one_line_user_error, final_weights, read_metrics, train_here
+from conftest import (TINY, TINY_DATA, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
+                      start, train_here, train_run, wait_for_steps)
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +72,19 @@ def test_bad_combinations_are_one_line(tmp_path, args, fragments):
     with pytest.raises(UserError) as info:
         train_here(tmp_path, "bad", *TINY_DATA, *args)
     assert_one_line_user_error(info.value, *fragments)
+
+
+def test_a_sigkill_mid_run_resumes_bit_identical_with_dropout_replayed(slow):
+    """The two passes' random states (dropout on) and the learnt temperature are in the checkpoint's state."""
+    args = [*TINY_DATA, "model=custom", "model._target_=slow.Net", "loss=contrastive", "data.views=2",
+            "augment.crop=pad", "augment.padding=1", "data.size=117", "trainer.epochs=3", "micro_batch=8", "accum=4",
+            "trainer.checkpoint_every=1", "optim=adamw", "loss.learn_temperature=true"]
+    reference, _ = train_here(slow, "reference", *args)
+    proc = start(slow, "killed", *args, "+model.delay=0.02")
+    wait_for_steps(slow / "killed", 5, proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    resumed, out = train_run(slow, "killed", *args, "resume=auto")
+    assert "resumed from" in out.stderr
+    assert_identical(final_weights(resumed), final_weights(reference))
+    assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in read_metrics(reference)[0]]
