@@ -119,7 +119,7 @@ def strict_json(text: str) -> Any:
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(per-step records, evaluation records) of metrics.jsonl, read as strict JSON (NaN or Infinity fail)."""
     records = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "loss" in r], [r for r in records if "val_acc" in r]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

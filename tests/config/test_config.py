@@ -87,7 +87,7 @@ def test_synthetic_seed_follows_the_run_seed_unless_set(compose):
     (["scaling.lr=cubic"], ["scaling.lr=cubic is not valid: expected one of none, linear, sqrt"]),
     (["model=nosuch"], ["model=nosuch: model has no option 'nosuch'; the options are: char_lm, cnn,", "custom"]),
     (["+trainer.epoch=3"], ["+trainer.epoch=3: trainer has no key 'epoch' (did you mean trainer.epochs?)"]),
-    (["+loss.normalise=tokens"], ["+loss.normalise=tokens: loss has no key 'normalise'",
+    (["+loss.normalise=tokens"], ["+loss.normalise=tokens: loss=cross_entropy has no key 'normalise'",
                                   "(did you mean loss.normalize?)"]),
     (["model=mlp", "+model.depth=4"], ["+model.depth=4: model=mlp has no key 'depth'", "need model=custom"]),
     (["+foo=1"], ["+foo=1: the config has no key 'foo'"]),

@@ -81,6 +81,11 @@ def make(size, seed, val_size=32, **_):  # the README's `data=custom data._targe
     return Datasets(split(size), split(val_size), 2, (1, 8, 8), f"two classes by sign ({size} samples)")
 """
 
+MYLOSSES = """
+def cubic(output, target):  # docs/losses.md's `loss=custom loss._target_=mylosses.cubic`: a loss per element
+    return (output - target).abs().pow(3)
+"""
+
 
 def pairs(n: int = 40) -> str:
     """`data.train=pairs.jsonl` for the README's tiny GPT-2: "12 plus 7 is " → "19." pairs."""
@@ -229,6 +234,7 @@ def test_every_readme_command_works_as_printed(tmp_path):
     work.mkdir()
     (work / "mymodels.py").write_text(MYMODELS)
     (work / "mydata.py").write_text(MYDATA)
+    (work / "mylosses.py").write_text(MYLOSSES)
     (work / "pairs.jsonl").write_text(pairs())
     runs, expected = [], []
     for index, (command, code, error) in enumerate(all_commands()):

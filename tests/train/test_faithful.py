@@ -209,3 +209,29 @@ def test_check_computes_a_window_that_does_not_fit_in_float64_on_the_cpu(tmp_pat
     result = check(compose, "model=custom", "model._target_=tight.Net", *DIGITS)
     assert result.faithful
     assert "the CPU in float64" in "\n".join(result.lines())
+
+
+@pytest.mark.parametrize("loss", [["loss=mse", "data.target=regression"], ["loss=l1", "data.target=regression"],
+                                  ["loss=huber", "data.target=regression"], ["loss=bce", "data.target=multilabel"],
+                                  ["loss=bce", "loss.normalize=samples", "data.target=multilabel"]])
+def test_check_covers_every_loss(compose, loss):
+    result = check(compose, "debug=fast", "model.hidden=[32]", "micro_batch=8", "accum=4", *loss)
+    assert result.faithful and result.overall < 1e-6, result.lines()
+
+
+def test_check_covers_a_custom_loss(compose, tmp_path, monkeypatch):
+    (tmp_path / "mylosses.py").write_text("def cubic(output, target):\n    return (output - target).abs().pow(3)\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    args = ["debug=fast", "micro_batch=8", "accum=4", "loss=custom", "loss._target_=mylosses.cubic",
+            "data.target=regression"]
+    result = check(compose, *args, "model.hidden=[32]")
+    assert result.faithful and result.overall < 1e-6, result.lines()
+
+
+def test_check_covers_the_contrastive_window_loss(compose):
+    args = ["debug=fast", "model.hidden=[32]", "loss=contrastive", "augment.views=2", "augment.crop=pad",
+            "augment.padding=1", "micro_batch=8", "accum=4"]
+    exact = check(compose, *args, "loss.learn_temperature=true")
+    assert exact.faithful and exact.overall < 1e-6, exact.lines()
+    naive = check(compose, *args, "loss.window=false")  # each micro-batch its own negatives: not the big batch's
+    assert not naive.faithful and naive.overall > 1e-2

@@ -17,11 +17,12 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel,
-                                      ConstantSched, CosineSched, DigitsData, HFCausalLMModel, HFSeqClsModel,
-                                      ImageFolderData, LoaderConfig, LossConfig, MLPModel, ScalingConfig, SequenceData,
-                                      SGDOptim, SyntheticData, TextData, TorchvisionData, TorchvisionModel)
 from accutrain.config.renames import renamed
+from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, BCELoss, CharLMModel, CNNModel,
+                                      ConstantSched, ContrastiveLossConfig, CosineSched, DigitsData, ElementLoss,
+                                      HFCausalLMModel, HFSeqClsModel, HuberLoss, ImageFolderData, LoaderConfig,
+                                      LossConfig, MLPModel, ScalingConfig, SequenceData, SGDOptim, SyntheticData,
+                                      TextData, TorchvisionData, TorchvisionModel)
 from accutrain.core.options import LastWindow
 
 
@@ -136,7 +137,7 @@ class TrainerConfig:
     ema: Optional[float] = None  # decay of an exponential moving average of the weights (e.g. 0.999); null: none
     ema_warmup: bool = False  # decay min(ema, (1 + n) / (10 + n)) after n updates: the average forgets its start
     ema_device: Optional[str] = None  # where the average lives: null beside the weights, or cpu
-    monitor: str = "val_acc"  # the evaluation metric best.pt and early stopping follow (val_loss, val_acc, *_ema)
+    monitor: str = "auto"  # the evaluation metric best.pt and early stopping follow; auto: the loss's (core/monitor)
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
     early_stopping: Optional[int] = None  # patience: stop after this many evaluations without improvement
     min_delta: float = 0.0  # an improvement must exceed this to count
@@ -174,7 +175,7 @@ class TrainConfig:
     sched: Any = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: Any = MISSING
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: Any = MISSING  # loss=cross_entropy|bce|mse|l1|huber|custom|contrastive (configs/loss/)
     batchnorm: BatchNormConfig = field(default_factory=BatchNormConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -213,6 +214,11 @@ SCHEMAS = {
     ("strategy", "fsdp_schema"): FSDPStrategy,
     ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
     ("augment", "augment_schema"): AugmentConfig,
+    ("loss", "cross_entropy_schema"): LossConfig,
+    ("loss", "element_schema"): ElementLoss,
+    ("loss", "huber_schema"): HuberLoss,
+    ("loss", "bce_schema"): BCELoss,
+    ("loss", "contrastive_schema"): ContrastiveLossConfig,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,
@@ -221,8 +227,8 @@ SCHEMAS = {
 
 
 # The config groups whose option is a node of keys: a factory's `_target_` and its keyword arguments (model, data,
-# optim, sched; each logger.<name> a tracker's), or the strategy's settings.
-GROUP_NODES = ("model", "data", "optim", "sched", "strategy", "logger")
+# optim, sched, loss; each logger.<name> a tracker's), or the strategy's settings.
+GROUP_NODES = ("model", "data", "optim", "sched", "loss", "strategy", "logger")
 
 
 @functools.cache

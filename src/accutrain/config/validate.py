@@ -147,8 +147,9 @@ def augment_and_loss(cfg: DictConfig) -> None:
         if not 0 <= a[name] < math.inf:
             raise UserError(f"{key}.{name}={a[name]} is not valid: expected 0 (off) or a positive Beta(α, α) "
                             "parameter (e.g. 0.2 for MixUp, 1.0 for CutMix)")
-    if not 0 <= cfg.loss.label_smoothing < 1:
-        raise UserError(f"loss.label_smoothing={cfg.loss.label_smoothing} is not valid: expected 0 <= ε < 1 "
+    smoothing = cfg.loss.get("label_smoothing", 0.0)  # loss=cross_entropy's
+    if not 0 <= smoothing < 1:
+        raise UserError(f"loss.label_smoothing={smoothing} is not valid: expected 0 <= ε < 1 "
                         "(e.g. 0.1)")
 
 

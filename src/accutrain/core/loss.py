@@ -1,9 +1,14 @@
 """The loss as accumulation needs it: summed over a micro-batch's terms (samples, or elements whose target is not
-ignore_index), so that the window's real count |W|, not the micro-batch, divides (accutrain.core.step)."""
+ignore_index), so that the window's real count |W|, not the micro-batch, divides (accutrain.core.step).
+
+Every loss of `loss=` (this module's cross-entropy, accutrain.core.losses' others) is a `Loss`: it sums a micro-batch's
+terms, counts the terms of any micro-batches from their targets alone (|W| is known before the first backward), and
+reduces an evaluation to sums (exact over ranks: all-reduced, then divided once)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+import math
+from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,28 @@ def count_terms(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], element
     return int(sum(int((b.target != ignore_index).sum()) for b in batches if not b.stand_in))
 
 
+class Loss(Protocol):
+    """What the loop, the step and the check need of the run's loss."""
+
+    elements: bool  # the terms are counted from the targets (accutrain.core.terms), not the window's samples
+    tokens: bool  # the terms are tokens: the records add their count, their rate and the perplexity
+    task: str  # classification | regression | multilabel | custom: the metrics measured, the monitor's default
+    ignore_index: int
+
+    def target(self, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int: ...
+
+    def eval_sums(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]: ...
+
+    @property
+    def monitor(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class SummedLoss:
     """The run's loss (`loss.*`): a micro-batch's loss summed over its terms, and how to count the terms."""
@@ -64,6 +91,32 @@ class SummedLoss:
         if self.shift_labels:
             batches = [Batch(b.inputs, self.target(b.target), b.stand_in) for b in batches]
         return count_terms(batches, self.elements, self.ignore_index)
+
+    task = "classification"
+
+    @property
+    def tokens(self) -> bool:
+        return self.elements
+
+    @property
+    def monitor(self) -> str:
+        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss."""
+        return "val_loss" if self.elements else "val_acc"
+
+    def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """float64 [plain summed loss (no smoothing), correct predictions, terms] of one evaluation batch."""
+        y = self.target(labels)
+        counted = y != self.ignore_index
+        return torch.stack([summed_cross_entropy(logits, y, self.ignore_index).double(),
+                            ((logits.argmax(1) == y) & counted).sum().double(), counted.sum().double()])
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        """val_loss, val_acc (and val_ppl per token) from the held-out split's summed eval_sums."""
+        loss_sum, correct, n = sums
+        measured = {"val_loss": loss_sum / n, "val_acc": correct / n}
+        if self.elements:
+            measured["val_ppl"] = math.exp(min(loss_sum / n, 700))
+        return measured
 
 
 def make_loss(normalize: Normalize, ignore_index: int, shift_labels: Optional[bool] = None,

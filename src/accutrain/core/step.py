@@ -21,7 +21,7 @@ from torch import nn
 
 from accutrain.core.batches import Batch, as_batch, stand_in_guard
 from accutrain.core.compiled import eager
-from accutrain.core.loss import SummedLoss, summed_cross_entropy
+from accutrain.core.loss import Loss, SummedLoss, summed_cross_entropy
 from accutrain.core.precision import Precision, make_precision
 from accutrain.dist import is_sharded
 
@@ -109,22 +109,27 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision: Optional[Precision] = None,
-             loss: SummedLoss = SummedLoss()) -> torch.Tensor:
-    """Sums over this rank's share of the held-out split: tensor([summed loss, correct predictions, terms]), where
-    the terms are samples, or (for element targets) elements whose target (after any shift) is not ignore_index."""
+             loss: Loss = SummedLoss()) -> torch.Tensor:
+    """Sums over this rank's share of the held-out split, as the loss reduces an evaluation batch (its eval_sums:
+    for cross-entropy [summed loss, correct predictions, terms], the terms being samples or elements whose target,
+    after any shift, is not ignore_index); all-reduced and then divided once, they are exact over ranks."""
     precision = precision or FP32
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, device=device, dtype=torch.float64)
+    sums: Optional[torch.Tensor] = None
     with eager(model):  # a compiled model too: its evaluation would be one more graph
         for batch in loader:
             batch = as_batch(batch).to(device)
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
-            y = loss.target(batch.target)
-            counted = y != loss.ignore_index
-            sums[0] += summed_cross_entropy(logits, y, loss.ignore_index).double()
-            sums[1] += ((logits.argmax(1) == y) & counted).sum()
-            sums[2] += counted.sum()
+            these = loss.eval_sums(logits, batch.target).to(device)
+            sums = these if sums is None else sums + these
     model.train(was_training)
-    return sums
+    return sums if sums is not None else loss.eval_sums(*empty_batch(loss)).to(device)
+
+
+def empty_batch(loss: Loss) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, target) of no sample, for a rank whose share of the held-out split is empty: sums of zeros."""
+    if loss.task == "classification":
+        return torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64)
+    return torch.zeros(0, 1), torch.zeros(0, 1)

@@ -32,7 +32,8 @@ def prepare(made: Any, cfg: DictConfig) -> tuple[Datasets, BatchFormat]:
     """What the data factory returned (`made`), as this run sees it — its views (augment=) and its batch format —
     checked: a mistake in it is one UserError naming the sample and the key."""
     datasets = returned(made, str(cfg.data._target_))
-    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed)  # training views per (seed, epoch, sample)
+    datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed,  # training views per (seed, epoch, sample)
+                           cfg.augment.views)
     batches = batch_format(cfg.loader, datasets.collate)
     check_samples(datasets, batches, cfg.loss, cfg.seed)
     return datasets, batches

@@ -95,26 +95,40 @@ def digits() -> Datasets:
 class Synthetic(Dataset):
     """Sample i is a smooth class prototype plus Gaussian noise drawn from a generator seeded by (seed, i)."""
 
-    def __init__(self, prototypes: torch.Tensor, labels: torch.Tensor, noise: float, seed: int, offset: int):
+    def __init__(self, prototypes: torch.Tensor, labels: torch.Tensor, noise: float, seed: int, offset: int,
+                 table: Optional[torch.Tensor] = None):
         self.prototypes, self.labels, self.noise, self.seed, self.offset = prototypes, labels, noise, seed, offset
+        self.table = table  # a target row per class (regression, multi-label); None: the class index
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def targets(self) -> torch.Tensor:
+        """Every sample's target."""
+        return self.labels if self.table is None else self.table[self.labels]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = generator(self.seed, self.offset + i)
         y = self.labels[i]
         x = self.prototypes[y] + self.noise * torch.randn(self.prototypes.shape[1:], generator=g)
-        return x, y
+        return x, (y if self.table is None else self.table[y])
 
 
 SYNTHETIC_IN_MEMORY_BYTES = 256 * 2**20  # larger synthetic sets are generated per sample, on demand
 
 
+TARGETS = ("classes", "regression", "multilabel")
+
+
 def synthetic(
-    size: int, val_size: int, image_size: int, num_classes: int, channels: int, noise: float, seed: int
+    size: int, val_size: int, image_size: int, num_classes: int, channels: int, noise: float, seed: int,
+    target: str = "classes",
 ) -> Datasets:
-    """Generated images whose label is learnable from their content; the same seed gives the same data."""
+    """Generated images whose label is learnable from their content; the same seed gives the same data. `target`:
+    the class index (classes), or a fixed random row per class — num_classes Gaussian values (regression, for
+    loss=mse|l1|huber) or a multi-hot set of about a third of the classes (multilabel, for loss=bce)."""
+    if target not in TARGETS:
+        raise UserError(f"data.target={target} is not valid: expected one of {', '.join(TARGETS)}")
     for key, value in dict(size=size, val_size=val_size, image_size=image_size, num_classes=num_classes,
                            channels=channels).items():
         if value < 1:
@@ -123,12 +137,15 @@ def synthetic(
     coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
     prototypes = F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
     labels = torch.randint(num_classes, (size + val_size,), generator=g)
-    train = Synthetic(prototypes, labels[:size], noise, seed, offset=0)
-    val = Synthetic(prototypes, labels[size:], noise, seed, offset=size)
+    table = (None if target == "classes" else torch.randn(num_classes, num_classes, generator=g)
+             if target == "regression" else (torch.rand(num_classes, num_classes, generator=g) < 1 / 3).float())
+    train = Synthetic(prototypes, labels[:size], noise, seed, offset=0, table=table)
+    val = Synthetic(prototypes, labels[size:], noise, seed, offset=size, table=table)
     if (size + val_size) * prototypes[0].numel() * 4 <= SYNTHETIC_IN_MEMORY_BYTES:  # generate once, hold it
-        train, val = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.labels) for d in (train, val))
+        train, val = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.targets()) for d in (train, val))
     return Datasets(train, val, num_classes, (channels, image_size, image_size),
-                    f"synthetic ({num_classes} classes, seed {seed})",
+                    f"synthetic ({num_classes} classes{'' if table is None else ', ' + target + ' targets'}, seed "
+                    f"{seed})",
                     images=ImageSource(train, val, image_size, (0.0,) * channels, (1.0,) * channels))
 
 

@@ -40,16 +40,25 @@ class Views(Dataset):
     """(transform(raw image), target) for each raw item. With a `seed` the transform is random: `view(epoch, i)`
     draws it from (seed, epoch, i); indexing gives epoch 0's view."""
 
-    def __init__(self, raw: Dataset, transform: Callable[[Any], torch.Tensor], seed: Optional[int] = None) -> None:
-        self.raw, self.transform, self.seed = raw, transform, seed
+    def __init__(self, raw: Dataset, transform: Callable[[Any], torch.Tensor], seed: Optional[int] = None,
+                 copies: int = 1) -> None:
+        self.raw, self.transform, self.seed, self.copies = raw, transform, seed, copies
 
     def __len__(self) -> int:
         return len(self.raw)  # type: ignore[arg-type]
 
     def view(self, epoch: int, index: int) -> tuple[torch.Tensor, Any]:
+        """Sample `index`'s view in `epoch`; with copies > 1 (augment.views) that many views stacked, view v drawn from
+        (seed, epoch, index, v)."""
         image, target = self.raw[index]
         if self.seed is None:
             return self.transform(image), target
+        if self.copies > 1:
+            drawn = []
+            for v in range(self.copies):
+                with seeded_cpu_rng(keyed_seed(self.seed, VIEW_STREAM, epoch, index, v)):
+                    drawn.append(self.transform(image))
+            return torch.stack(drawn), target
         with seeded_cpu_rng(keyed_seed(self.seed, VIEW_STREAM, epoch, index)):
             return self.transform(image), target
 
@@ -127,11 +136,23 @@ def pretrained_normalisation(model_cfg: Any, channels: int) -> Optional[tuple[tu
     return mean, std
 
 
-def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int) -> Any:
+def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 1) -> Any:
     """The accutrain.data.Datasets as this run sees them: the training split through the recipe's random view (drawn
     per sample from (seed, epoch, sample)), the held-out split through its fixed view; both normalised as
-    pretrained weights expect."""
+    pretrained weights expect. copies > 1 (augment.views): each sample is that many random views of it, in both
+    splits (the held-out split's drawn as epoch 0's, the same at every evaluation)."""
     source = datasets.images
+    if copies != 1:
+        if copies != 2:
+            raise UserError(f"augment.views={copies} is not valid: expected 1, or 2 (a pair of views per sample)")
+        if source is None or not is_random(augment):
+            raise UserError("augment.views=2 needs two different random views of each image: " + (
+                f"data {datasets.description} has no images" if source is None else
+                "set a random augment= (e.g. augment=crop_flip)"))
+        mean, std = source.mean, source.std
+        return dataclasses.replace(datasets, train=Views(source.train, random_view(source, augment, mean, std), seed,
+                                                         copies),
+                                   val=Views(source.val, random_view(source, augment, mean, std), seed, copies))
     if source is None:
         if is_random(augment) or augment.eval_crop_ratio != 1.0:
             key = (f"augment.crop={augment.crop.name}" if augment.crop is not Crop.none else

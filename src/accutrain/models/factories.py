@@ -164,7 +164,8 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
     model.eval()
     check_output(model, example, num_classes, name)
     target = example.target
-    if target.dim() > 1 and num_classes in target.shape[1:]:  # (batch, length, classes) would pass as well
+    per_class = not target.is_floating_point()  # float targets (values, multi-hot, soft) have no class layout
+    if per_class and target.dim() > 1 and num_classes in target.shape[1:]:  # (batch, length, classes) would pass too
         length = target.shape[1]
         shorter = example.apply(lambda t: t[:, : length - 1] if t.dim() > 1 and t.shape[1] == length else t)
         check_output(model, shorter, num_classes, name, second=True)
@@ -197,6 +198,11 @@ def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, 
                 "from your forward" if hasattr(out, "logits") else "")
         raise UserError(f"model {name} returns a {type(out).__name__}, not a tensor of logits{hint}")
     got, per_element = tuple(out.shape), y.dim() > 1
+    if y.is_floating_point():  # values, multi-hot or soft targets: one output per target element
+        if got[:1] == (n,) and out[0].numel() == y[0].numel():
+            return
+        raise UserError(f"the model returns {got} for a batch of {n}, expected {tuple(y.shape)}: one output per "
+                        "target element")
     expected = (n, num_classes, *y.shape[1:])
     if got == expected or (per_element and len(got) == len(expected) and got[0] == n and got[1] >= num_classes
                            and got[2:] == expected[2:]):

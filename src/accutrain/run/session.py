@@ -61,7 +61,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         warn_if_disk_is_short(c, save.rotation)
     if world.main:
-        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None)
+        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None, monitor=c.monitor.metric)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
     metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
     try:

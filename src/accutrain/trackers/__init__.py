@@ -61,12 +61,13 @@ class Trackers:
             built[name] = instantiate(f"logger.{name}", node)
         return cls(built, run_dir)
 
-    def start(self, cfg: DictConfig, plan: "BatchPlan", step: int, resumed: bool) -> None:
+    def start(self, cfg: DictConfig, plan: "BatchPlan", step: int, resumed: bool, monitor: Optional[str] = None
+              ) -> None:
         """Start every tracker on this run (continue their runs when resuming), then keep their run ids."""
         if not self.active:
             return
         assert self.run_dir is not None
-        self.monitor = cfg.trainer.monitor
+        self.monitor = monitor or cfg.trainer.monitor  # trainer.monitor=auto: the loss's metric
         config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "plan": plan.record()}
         group, job = sweep_of(self.run_dir)
         saved = read_saved(self.run_dir) if resumed else {}  # kept for a tracker that does not start this time

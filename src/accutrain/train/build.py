@@ -3,6 +3,7 @@ window loader, and how the ranks share the model (the strategy: DDP or FSDP). Ea
 factory chosen by the config."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,6 @@ from accutrain.config.targets import instantiate, record, run_arguments
 from accutrain.core import compiled, lr_scaling
 from accutrain.core.batches import BatchFormat
 from accutrain.core.grad_buffers import grad_buffer_spec
-from accutrain.core.loss import make_loss
 from accutrain.core.mixing import make_mixer
 from accutrain.core.monitor import Monitor
 from accutrain.core.plan import make_plan
@@ -29,6 +29,7 @@ from accutrain.data import checks as data_checks
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import factories as models
+from accutrain.models.losses import attach, build_loss, check_targets
 from accutrain.models import norms, pitfalls
 from accutrain.models.checkpointing import enable_activation_checkpointing
 from accutrain.models.ema import make_ema
@@ -55,10 +56,11 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
-    loss = make_loss(cfg.loss.normalize, cfg.loss.ignore_index, cfg.loss.shift_labels, model,
-                     cfg.loss.label_smoothing)
+    loss = build_loss(cfg.loss, model)  # loss=: summed per term, |W| counted from the targets
+    check_targets(loss, batches([datasets.train[0]]).target, cfg.data._target_)
+    attach(loss, model, cfg)  # a window-level loss: its refusals, its learnt temperature
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
-    if loss.shift_labels and batches([datasets.train[0]]).target.dim() < 2:
+    if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
         raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
                         "target per sample")
     if trainer.export == "hf" and not hasattr(model, "save_pretrained"):
@@ -122,7 +124,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     scaling = lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch)
     return Components(cfg, typed_trainer, scaling, world, plan, device, model, wrapped, strategy, optimizer, scheduler,
                       sampler, loader, val_loader, precision, buffers, loss, make_ema(trainer, model),
-                      Monitor.from_config(trainer), datasets.tokenizer)
+                      Monitor.from_config(trainer, loss.task, loss.monitor), datasets.tokenizer)
 
 
 def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
@@ -133,6 +135,8 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, 
     record(cfg.model, models.data_arguments(cfg.model, datasets.sample_shape, datasets.num_classes, datasets.extra))
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
+    if cfg.augment.views > 1:  # pairs of views: the model embeds one view at a time
+        example = dataclasses.replace(example, inputs=example.inputs[:, 0])
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     norms.convert_norm(model, cfg.batchnorm.convert, cfg.batchnorm.groups)
     if cfg.trainer.activation_checkpointing:

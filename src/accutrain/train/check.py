@@ -22,7 +22,9 @@ from torch import nn
 from accutrain.config.validate import validate
 from accutrain.core import memory
 from accutrain.core.batches import Batch, as_batch
-from accutrain.core.loss import SummedLoss
+from accutrain.core.contrastive import ContrastiveLoss
+from accutrain.core.gradcache import accumulate_window_loss, one_pass
+from accutrain.core.loss import Loss, SummedLoss
 from accutrain.core.plan import derive_accum
 from accutrain.core.precision import full_float32, tolerance
 from accutrain.core.step import accumulate
@@ -108,8 +110,9 @@ def window_batches(c: Components, devices: int = 1) -> tuple[list[Batch], Batch]
 
 
 def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
-              loss: SummedLoss) -> dict[str, torch.Tensor]:
-    """The window's gradient, accumulated over `micro`; the model's weights, statistics, gradients and gradient
+              loss: Loss) -> dict[str, torch.Tensor]:
+    """The window's gradient, accumulated over `micro` (a window-level loss: by its two passes, or, for the one
+    batch of the reference, by one differentiable pass); the model's weights, statistics, gradients and gradient
     buffers are as before afterwards, also when it fails (an out-of-memory halfway through backward, say)."""
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     buffers = c.buffers if model is c.model else None
@@ -117,7 +120,12 @@ def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: 
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(c.cfg.seed)  # both ways draw the same random numbers where they can
-            accumulate(model, micro, terms, device, precision=precision, loss=loss)
+            if not isinstance(loss, ContrastiveLoss):
+                accumulate(model, micro, terms, device, precision=precision, loss=loss)
+            elif len(micro) > 1:
+                accumulate_window_loss(model, micro, terms, device, loss, precision=precision)
+            else:
+                one_pass(model, micro[0], terms, loss, device)
         if buffers is not None:
             buffers.release()
         return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -171,7 +179,10 @@ def _compare(c: Components) -> Check:
 
     big = [whole]
     per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
-    reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
+    # the big batch's mean: cross-entropy's over its elements when the targets are per element (a check of
+    # loss.normalize too); another loss's as it counts its terms
+    reference_terms = (dataclasses.replace(loss, elements=per_element) if isinstance(loss, SummedLoss)
+                       else loss).terms(big)
     reference, where = None, str(device)
     try:
         reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
@@ -197,9 +208,16 @@ def _compare(c: Components) -> Check:
     micro_batches = -(-len(whole) // c.plan.micro_batch)  # every device's, of up to micro_batch samples
     check = Check(len(whole), c.plan.micro_batch, micro_batches, precision.name, per_group, overall,
                   tolerance(precision.name), where)
+    if isinstance(loss, ContrastiveLoss):  # the probes forward one view per input
+        micro, whole = [unpaired(b) for b in micro], unpaired(whole)
     check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check, loss.elements,
                           per_element)
     return check
+
+
+def unpaired(batch: Batch) -> Batch:
+    """A batch of pairs of views as a batch of single views (each sample's target repeated)."""
+    return Batch(batch.inputs.flatten(0, 1), batch.target.repeat_interleave(2, 0), batch.stand_in)
 
 
 def wrapper_depth(names: list[str]) -> int:

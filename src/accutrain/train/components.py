@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from accutrain.config.train import TrainerConfig
 from accutrain.core.grad_buffers import GradBuffers
-from accutrain.core.loss import SummedLoss
+from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
 from accutrain.core.monitor import Monitor
 from accutrain.core.plan import BatchPlan
@@ -44,7 +44,7 @@ class Components:
     val_loader: DataLoader
     precision: Precision
     buffers: Optional[GradBuffers]  # gradients summed outside .grad (accum_dtype / offload_grads)
-    loss: SummedLoss
+    loss: Loss  # loss=: cross-entropy, a per-term loss (core/losses.py) or a window-level one (core/contrastive.py)
     ema: Optional[EMA]  # the moving average of the weights (trainer.ema)
     monitor: Monitor  # the evaluation metric best.pt and early stopping follow
     tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)

@@ -21,6 +21,8 @@ from accutrain import dist
 from accutrain.config.train import OnNonFinite
 from accutrain.core import lr_scaling, memory
 from accutrain.core.precision import found_inf_and_update
+from accutrain.core.contrastive import ContrastiveLoss
+from accutrain.core.gradcache import accumulate_window_loss, evaluate_window
 from accutrain.core.progress import Progress
 from accutrain.core.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
 from accutrain.core.terms import TermCounts
@@ -175,6 +177,10 @@ def accumulate_window(parts: Components, progress: Progress, window: Window, bat
 
     while True:
         try:
+            if isinstance(parts.loss, ContrastiveLoss):  # a window-level loss: two passes (core/gradcache.py)
+                return accumulate_window_loss(parts.wrapped, micro_batches(), terms, parts.device, parts.loss,
+                                              world=parts.world.size, no_sync=parts.strategy.no_sync,
+                                              precision=parts.precision)
             return accumulate(parts.wrapped, micro_batches(), terms, parts.device, world=parts.world.size,
                               no_sync=parts.strategy.no_sync, precision=parts.precision, loss=parts.loss)
         except Exception as e:
@@ -241,10 +247,11 @@ def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -
         with parts.ema.swapped_in(parts.model):
             record.update(measure(parts, "_ema"))
     metrics.evaluation(record)
-    log.info(f"step {progress.step} (epoch {record['epoch']}): val_loss {record['val_loss']:.4f}  val_acc "
-             f"{record['val_acc']:.4f}" + (f"  val_ppl {record['val_ppl']:.4g}" if "val_ppl" in record else "")
-             + (f"  (ema: val_loss {record['val_loss_ema']:.4f}  val_acc {record['val_acc_ema']:.4f})"
-                if parts.ema is not None else ""))
+    log.info(f"step {progress.step} (epoch {record['epoch']}): " + "  ".join(
+        f"{name} {value:.4g}" if name == "val_ppl" else f"{name} {value:.4f}" for name, value in record.items()
+        if name.startswith("val_") and not name.endswith("_ema")) + (
+        "  (ema: " + "  ".join(f"{name.removesuffix('_ema')} {value:.4f}" for name, value in record.items()
+                               if name.endswith("_ema")) + ")" if parts.ema is not None else ""))
     value = record[parts.monitor.metric]
     if parts.monitor.improves(value, progress.best):
         progress.best, progress.best_step, progress.evals_since_best = value, progress.step, 0
@@ -254,10 +261,12 @@ def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -
 
 
 def measure(parts: Components, suffix: str) -> dict[str, float]:
-    """val_loss and val_acc (named with `suffix`) of the model's current weights over the whole held-out split."""
-    sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
-    loss_sum, correct, n = dist.all_reduce_sum(sums, parts.world).tolist()
-    measured = {f"val_loss{suffix}": loss_sum / n, f"val_acc{suffix}": correct / n}
-    if parts.loss.elements:  # perplexity, per token
-        measured[f"val_ppl{suffix}"] = math.exp(min(loss_sum / n, 700))
-    return measured
+    """The loss's metrics (val_loss, and val_acc, val_mae/val_rmse or val_f1; named with `suffix`) of the model's
+    current weights over the whole held-out split: every rank's sums added, then divided once."""
+    if isinstance(parts.loss, ContrastiveLoss):  # the held-out split as one set of candidates
+        sums = evaluate_window(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss,
+                               parts.world.size)
+    else:
+        sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
+    measured = parts.loss.eval_metrics(dist.all_reduce_sum(sums, parts.world).tolist())
+    return {f"{name}{suffix}": value for name, value in measured.items()}

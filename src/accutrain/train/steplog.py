@@ -35,7 +35,7 @@ class Settled:
 class StepLog:
     def __init__(self, c: Components, metrics: MetricsLog, p: Progress) -> None:
         self.c, self.metrics, self.p = c, metrics, p
-        self.log_every, self.elements, self.scaler = c.trainer.log_every, c.loss.elements, c.precision.scaler
+        self.log_every, self.elements, self.scaler = c.trainer.log_every, c.loss.tokens, c.precision.scaler
         self.bar = progress_bar(c.plan.total_steps, p.step, c.trainer.progress and c.world.main)
         self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
         self.compiling = compiled.WATCH if compiled.is_compiled(c.model) else None
