@@ -180,6 +180,7 @@ def first_failure(context: Any) -> Optional[int]:
             process = context.processes[index]
             process.join()
             if process.exitcode == 0:
+                del context.sentinels[sentinel]  # joined: its join then has nothing left to wait for
                 continue
             for other in context.processes:
                 if other is not process and other.is_alive():
