@@ -32,7 +32,8 @@ def test_no_line_for_a_run_that_did_not_measure_it():
 
 
 def test_the_report_of_a_run_that_measured_it(tmp_path):
-    run_dir, _ = train_here(tmp_path, "run", *TINY, "micro_batch=8", "accum=4", "trainer.noise_scale=true")
+    run_dir, log = train_here(tmp_path, "run", *TINY, "micro_batch=8", "accum=4", "trainer.noise_scale=true")
+    assert ", noise scale B_simple " in log and " at effective batch 32" in log  # the final summary line
     report = write_report(run_dir)
     assert run_dir / "noise.png" in report.files and (run_dir / "noise.png").stat().st_size > 0
     assert "run: the effective batch 32 is" in report.text and "measured noise scale B_simple" in report.text

@@ -130,7 +130,8 @@ def validate_batch_following(cfg: DictConfig) -> None:
                             "was tuned for (e.g. scaling.base_batch=32)")
         if "betas" not in cfg.optim:
             raise UserError(f"scaling.beta2={s.beta2.name} scales Adam's β2, and optim._target_={cfg.optim._target_} "
-                            "has no betas: use optim=adamw or scaling.beta2=none")
+                            "has no betas: use optim=adamw (an Adam of your own: give +optim.betas=[0.9,0.999]) or "
+                            "scaling.beta2=none")
     if s.ema:
         if t.ema is None:
             raise UserError("scaling.ema=true scales the decay of trainer.ema, which is off: set trainer.ema (e.g. "

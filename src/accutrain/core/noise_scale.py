@@ -56,6 +56,7 @@ class NoiseScale:
         self.world, self.device, self.decay, self.loss_scale = world, device, decay, loss_scale
         self.g2_avg, self.trace_avg, self.steps = 0.0, 0.0, 0  # the moving averages (unnormalised) and their count
         self.record: dict[str, Optional[float]] = {}
+        self.effective: Optional[int] = None  # the effective batch of the latest window
         self.armed = False
         self._norms: list[torch.Tensor] = []  # the current backward's per-parameter norms
         self._sums: list[torch.Tensor] = []  # Σ|g_j|² per micro-batch of this window, on the device
@@ -84,10 +85,10 @@ class NoiseScale:
         self._inv_n += 1.0 / n
         self._count += 1
 
-    def settle(self, window_norm: float, samples: int, taken: bool = True) -> None:
-        """The window's gradient norm (global, before clipping) over its `samples`: estimate, average, keep `record`
-        (every rank calls it; with several ranks it all-reduces once)."""
-        self.armed = False
+    def settle(self, window_norm: float, samples: int, taken: bool = True, effective: Optional[int] = None) -> None:
+        """The window's gradient norm (global, before clipping) over its `samples` (of a planned `effective` batch):
+        estimate, average, keep `record` (every rank calls it; with several ranks it all-reduces once)."""
+        self.armed, self.effective = False, effective if effective is not None else samples
         device = self.device
         small = torch.stack(self._sums).sum() if self._sums else torch.zeros((), dtype=torch.float64, device=device)
         if self._scale is not None:

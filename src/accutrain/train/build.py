@@ -69,6 +69,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
                         f"not {cfg.model._target_}")
 
     optimizer = instantiate("optim", cfg.optim, model)  # scaling.lr scales its lr per window (below)
+    if cfg.scaling.beta2.name != "none" and "betas" not in optimizer.param_groups[0]:
+        raise UserError(f"scaling.beta2={cfg.scaling.beta2.name} scales Adam's β2, and the optimizer "
+                        f"{type(optimizer).__name__} has no betas: use optim=adamw or scaling.beta2=none")
     spec = grad_buffer_spec(trainer, precision, device, world.size)
     micro_batch = cfg.micro_batch
     if micro_batch == "auto":  # before SyncBatchNorm (no rank waits in a trial's collective) and the buffers' hooks

@@ -73,7 +73,7 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
             if parts.ema is not None and skipped is None:
                 parts.ema.update(parts.model, scaled.ema)  # moves with the optimizer step, only when one was taken
             if parts.noise is not None:  # B_simple from the window's micro-batches and its whole gradient
-                parts.noise.settle(settled.norm, window.size, taken=skipped is None)
+                parts.noise.settle(settled.norm, window.size, taken=skipped is None, effective=window.batch)
             parts.optimizer.zero_grad(set_to_none=True)
             progress.advance(window, plan, loss, skipped)
             record(window, terms, loss, lr, settled, skipped,
