@@ -7,6 +7,11 @@ by the process's CPU time: on a shared machine it leaves out the time the proces
 
     python scripts/bench_noise_scale.py --clock cpu --threads 1 --rounds 5 --steps 30
     python scripts/bench_noise_scale.py --rounds 5 model=mlp micro_batch=8 accum=8
+    python scripts/bench_noise_scale.py --isolated --clock cpu --threads 1 --rounds 41
+
+`--isolated` times what the hooks add to one micro-batch — a norm of each parameter's gradient — against that
+micro-batch's forward and backward alone, alternating the two `--rounds` times in one process: the overhead as a
+fraction of the work it rides on, much less noisy on a shared machine than whole runs.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, micro_batch=8 "
                                                  "accum=4)")
+    ap.add_argument("--isolated", action="store_true", help="the hooks' work against a micro-batch's alone")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -39,6 +45,8 @@ def main() -> None:
         bench_overhead.CLOCK = time.process_time
     logging.getLogger("accutrain").setLevel(logging.ERROR)
     overrides = args.overrides or ["micro_batch=8", "accum=4"]
+    if args.isolated:
+        return isolated(overrides, args.rounds)
     rates: dict[str, list[float]] = {"off": [], "on": []}
     for round_ in range(args.rounds):
         for name in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
@@ -55,6 +63,30 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     print(f"median per optimizer step of {samples} samples: off {1e3 * samples / off:.2f} ms, on "
           f"{1e3 * samples / on:.2f} ms: the noise scale costs {100 * (off / on - 1):+.1f} % of a step")
+
+
+def isolated(overrides: list[str], rounds: int) -> None:
+    """One micro-batch's forward and backward, and the hooks' norms of its gradients, timed alternately."""
+    c = bench_overhead.setup(compose(*overrides, "trainer.progress=false", "loader.num_workers=0",
+                                     "trainer.device=cpu"))
+    batch = c.loader.dataset.__getitems__(next(c.sampler.windows())[0])[1]  # the first micro-batch
+    params = [p for p in c.model.parameters() if p.requires_grad]
+    clock = bench_overhead.CLOCK
+    backward, norms = [], []
+    for _ in range(rounds):
+        c.model.zero_grad(set_to_none=True)
+        start = clock()
+        torch.nn.functional.cross_entropy(batch.forward(c.model, c.precision.inputs), batch.target,
+                                          reduction="sum").backward()
+        backward.append(clock() - start)
+        grads = [p.grad for p in params]
+        start = clock()
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double().square().sum()
+        norms.append(clock() - start)
+    b, n = statistics.median(backward), statistics.median(norms)
+    print(f"{' '.join(overrides)}, {rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads: "
+          f"a micro-batch's forward and backward {b * 1e3:.2f} ms, the hooks' norms {n * 1e3:.3f} ms: "
+          f"{100 * n / b:.1f} % of the micro-batch")
 
 
 if __name__ == "__main__":
