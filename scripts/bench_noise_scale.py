@@ -26,6 +26,8 @@ import torch
 
 import bench_overhead  # scripts/: run as `python scripts/bench_noise_scale.py`
 from accutrain.config.train import compose
+from accutrain.core.noise_scale import NoiseScale
+from accutrain.dist import World
 
 
 def main() -> None:
@@ -66,27 +68,40 @@ def main() -> None:
 
 
 def isolated(overrides: list[str], rounds: int) -> None:
-    """One micro-batch's forward and backward, and the hooks' norms of its gradients, timed alternately."""
+    """One micro-batch's forward and backward without the hooks, and with them (armed, as in a window), timed
+    alternately; also the hooks' norms alone, on the gradients after the backward."""
     c = bench_overhead.setup(compose(*overrides, "trainer.progress=false", "loader.num_workers=0",
                                      "trainer.device=cpu"))
     batch = c.loader.dataset.__getitems__(next(c.sampler.windows())[0])[1]  # the first micro-batch
     params = [p for p in c.model.parameters() if p.requires_grad]
     clock = bench_overhead.CLOCK
-    backward, norms = [], []
-    for _ in range(rounds):
-        c.model.zero_grad(set_to_none=True)
-        start = clock()
+    times: dict[str, list[float]] = {"plain": [], "hooked": [], "norms": []}
+
+    def backward() -> None:
         torch.nn.functional.cross_entropy(batch.forward(c.model, c.precision.inputs), batch.target,
                                           reduction="sum").backward()
-        backward.append(clock() - start)
+
+    for round_ in range(rounds):
+        for name in (("plain", "hooked") if round_ % 2 == 0 else ("hooked", "plain")):
+            c.model.zero_grad(set_to_none=True)
+            noise = NoiseScale(params, World(), torch.device("cpu")) if name == "hooked" else None
+            if noise is not None:
+                noise.begin(len(batch), 1)
+            start = clock()
+            backward()
+            if noise is not None:
+                noise.micro_batch_done(len(batch))
+            times[name].append(clock() - start)
+            if noise is not None:
+                noise.remove()
         grads = [p.grad for p in params]
         start = clock()
         torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double().square().sum()
-        norms.append(clock() - start)
-    b, n = statistics.median(backward), statistics.median(norms)
+        times["norms"].append(clock() - start)
+    plain, hooked, norms = (statistics.median(times[k]) for k in ("plain", "hooked", "norms"))
     print(f"{' '.join(overrides)}, {rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads: "
-          f"a micro-batch's forward and backward {b * 1e3:.2f} ms, the hooks' norms {n * 1e3:.3f} ms: "
-          f"{100 * n / b:.1f} % of the micro-batch")
+          f"a micro-batch's forward and backward {plain * 1e3:.2f} ms, with the hooks {hooked * 1e3:.2f} ms "
+          f"({100 * (hooked / plain - 1):+.1f} %); the norms alone {norms * 1e3:.3f} ms ({100 * norms / plain:.1f} %)")
 
 
 if __name__ == "__main__":
