@@ -60,7 +60,7 @@ def test_the_average_moves_once_per_optimizer_step_taken(tmp_path, monkeypatch, 
               World(), torch.device("cpu"))
     calls = []
     update = c.ema.update
-    c.ema.update = lambda model: (calls.append(True), update(model))
+    c.ema.update = lambda model, *power: (calls.append(True), update(model, *power))
     metrics = MetricsLog(tmp_path / "m.jsonl")
     with StopRequest() as stop:
         out = fit(c, metrics, Progress(), lambda *a, **k: None, stop)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import II, MISSING
 
-from accutrain.core.options import LRScaling, MixMode, Normalize
+from accutrain.core.options import Beta2Scaling, LRScaling, MixMode, Normalize
 
 
 class Norm(enum.Enum):
@@ -261,6 +261,8 @@ class ScalingConfig:
 
     lr: LRScaling = LRScaling.none  # none | linear | sqrt: optim.lr × (effective batch / base_batch), or its root
     base_batch: Optional[int] = None  # the effective batch optim.lr was tuned for (needed by linear and sqrt)
+    beta2: Beta2Scaling = Beta2Scaling.none  # half_life: Adam's β2 ** (effective batch / base_batch)
+    ema: bool = False  # true: trainer.ema's decay ** (effective batch / base_batch)
 
 
 # --- augment/ ------------------------------------------------------------------------------------------

@@ -12,11 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config.validate_values import check_values
 from accutrain.core.monitor import METRICS
-from accutrain.core.options import LRScaling
+from accutrain.core.options import Beta2Scaling, LRScaling
 from accutrain.core.plan import derive_accum
 from accutrain.errors import UserError
 from accutrain.signals import UNCATCHABLE
 
+NOISE_SCALE_NEEDS_TWO = ("trainer.noise_scale=true compares each micro-batch's gradient with the window's: with "
+                         "accum=1 on one device they are the same; set accum ≥ 2 (or devices ≥ 2) or "
+                         "trainer.noise_scale=false")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # trainer.compile_mode
 
 
@@ -94,6 +97,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.scaling.lr is not LRScaling.none and cfg.scaling.base_batch is None:
         raise UserError(f"scaling.lr={cfg.scaling.lr.name} needs scaling.base_batch, the effective batch optim.lr was "
                         f"tuned for (e.g. scaling.base_batch=32)")
+    validate_batch_following(cfg)
     if t.ema is not None and not 0 < t.ema < 1:
         raise UserError(f"trainer.ema={t.ema} is not valid: expected a decay between 0 and 1 (e.g. 0.999) or null")
     if t.ema_device not in (None, "cpu"):
@@ -118,6 +122,34 @@ def validate(cfg: DictConfig) -> None:
                             "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
     validate_strategy(cfg)
     check_values(cfg)
+
+
+def validate_batch_following(cfg: DictConfig) -> None:
+    """scaling.beta2 and scaling.ema need a base batch and something to scale; trainer.noise_scale needs more than one
+    micro-batch per window to compare with the window (checked here where accum and devices are numbers, else by
+    the build)."""
+    s, t = cfg.scaling, cfg.trainer
+    if s.beta2 is not Beta2Scaling.none:
+        if s.base_batch is None:
+            raise UserError(f"scaling.beta2={s.beta2.name} needs scaling.base_batch, the effective batch optim.betas "
+                            "was tuned for (e.g. scaling.base_batch=32)")
+        if "betas" not in cfg.optim:
+            raise UserError(f"scaling.beta2={s.beta2.name} scales Adam's β2, and optim._target_={cfg.optim._target_} "
+                            "has no betas: use optim=adamw (an Adam of your own: give +optim.betas=[0.9,0.999]) or "
+                            "scaling.beta2=none")
+    if s.ema:
+        if t.ema is None:
+            raise UserError("scaling.ema=true scales the decay of trainer.ema, which is off: set trainer.ema (e.g. "
+                            "trainer.ema=0.999) or scaling.ema=false")
+        if s.base_batch is None:
+            raise UserError("scaling.ema=true needs scaling.base_batch, the effective batch trainer.ema was tuned for "
+                            "(e.g. scaling.base_batch=32)")
+    if not 0 <= t.noise_scale_decay < 1:
+        raise UserError(f"trainer.noise_scale_decay={t.noise_scale_decay} is not valid: expected 0 <= decay < 1 (e.g. "
+                        "0.95)")
+    if t.noise_scale and cfg.devices == 1 and cfg.micro_batch != "auto" and cfg.get("batch_schedule") is None and \
+            derive_accum(cfg.micro_batch, 1, cfg.accum, cfg.global_batch) == 1:
+        raise UserError(NOISE_SCALE_NEEDS_TWO)
 
 
 def augment_and_loss(cfg: DictConfig) -> None:
@@ -175,6 +207,8 @@ def validate_strategy(cfg: DictConfig) -> None:
          "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
         (t.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not verified with "
          "accutrain's exact accumulation; use strategy=ddp to compile"),
+        (t.noise_scale, "trainer.noise_scale=true", "FSDP's gradients are sharded and reduced as they arrive, so a "
+         "micro-batch's own gradient is never whole on a rank; use strategy=ddp to measure the noise scale"),
         (t.get("export") is not None, f"trainer.export={t.get('export')}", "save_pretrained needs the whole model in "
          "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
     ]

@@ -18,6 +18,11 @@ class LRScaling(enum.Enum):
     sqrt = "sqrt"  # optim.lr × √(effective batch / scaling.base_batch), for adaptive optimisers
 
 
+class Beta2Scaling(enum.Enum):
+    none = "none"  # Adam's betas as given
+    half_life = "half_life"  # β2 ** (effective batch / scaling.base_batch): the same half-life in samples
+
+
 class MixMode(enum.Enum):
     window = "window"  # one draw per window: mix or not, MixUp or CutMix, λ (and CutMix's box)
     sample = "sample"  # one draw per sample

@@ -49,12 +49,21 @@ class Precision:
         return x
 
 
+def scale_in_use(scaler: Optional[torch.amp.GradScaler]) -> Optional[torch.Tensor]:
+    """The scale this window's backward passes multiplied the loss by, as a device tensor copy (no wait); None without
+    a scaler (or before its first scale())."""
+    if scaler is None or scaler._scale is None:
+        return None
+    return scaler._scale.detach().clone()
+
+
 def found_inf_and_update(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """After `scaler.unscale_(optimizer)`: what GradScaler.step and update decide, on the device and without step's
     wait — (inf/NaN found in the unscaled gradients, the scale for the next window), both device tensors. The step is
     the caller's, skipped when anything was found, as GradScaler.step would. GradScaler's private members are used
-    here and nowhere else (_found_inf_per_device: what step() reads with .item(); _scale: the scale update() set)."""
+    here and in scale_in_use only (_found_inf_per_device: what step() reads with .item(); _scale: the scale update()
+    set)."""
     found = list(scaler._found_inf_per_device(optimizer).values())
     scaler.update()  # the next window's scale, from the same found-inf flags: a device op, no wait
     found_inf = torch.stack(found).sum() if found else torch.zeros((), device=scaler._scale.device)

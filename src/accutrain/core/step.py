@@ -38,6 +38,7 @@ def accumulate(
     no_sync: Callable[[], ContextManager] = nullcontext,
     precision: Optional[Precision] = None,
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = summed_cross_entropy,
+    observe: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """Forward and backward each of this rank's micro-batches of one window; .grad then holds ∇(mean loss over W).
 
@@ -49,7 +50,8 @@ def accumulate(
     window (stand-ins left out), a float64 scalar still on the device: the loop reads it with its one
     synchronisation. (Not a tensor per micro-batch: each loss kept would keep, on the CPU, the memory its
     reduction was computed in — about 0.8 MB per micro-batch of 8 × 1,024 tokens — so host memory would grow with
-    the window.)
+    the window.) `observe(n)`, if given, is called after each backward with its micro-batch's samples (0 for a
+    stand-in): the noise scale's end of one micro-batch's gradient.
     """
     precision = precision or FP32
     scale = world / terms  # DDP averages the ranks' gradients: × world undoes that mean
@@ -70,6 +72,8 @@ def accumulate(
                 logits = batch.forward(model, precision.inputs)
             loss_sum = loss(logits, batch.target)  # Σ_{i in b} loss_i
             precision.backward(loss_sum, 0.0 if batch.stand_in else scale)  # ∇ scale × Σ_{i in b} loss_i into .grad
+            if observe is not None:
+                observe(0 if batch.stand_in else len(batch))
         if not batch.stand_in:
             total += loss_sum.detach()
         batch = following

@@ -3,6 +3,9 @@ micro-batch, never on a skipped step), evaluated beside the raw weights and kept
 
     ema ← decay · ema + (1 − decay) · weights
 
+With scaling.ema=true the decay of each update is decay ** (effective batch / scaling.base_batch) (`power`): the
+average's half-life stays the same number of samples whatever the window's batch.
+
 As timm's ModelEmaV3 does, floating-point buffers (BatchNorm's running statistics) are averaged too and integer
 ones (num_batches_tracked) copied. The average is float32 when the weights are half precision (a bf16 average
 would round every small update away), and lives beside the weights or in CPU memory (`trainer.ema_device=cpu`).
@@ -24,6 +27,7 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float, warmup: bool = False,
                  device: Optional[torch.device] = None) -> None:
         self.decay, self.warmup, self.updates = decay, warmup, 0
+        self.last_decay: Optional[float] = None  # the decay the latest update used
         self.weights = {key: value.detach().to(device or value.device, _average_dtype(value), copy=True)
                         for key, value in model.state_dict().items()}
 
@@ -32,9 +36,11 @@ class EMA:
         return min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """Move the average towards the model's current weights: call once per optimizer step taken."""
-        weight = 1.0 - self.current_decay()
+    def update(self, model: nn.Module, power: float = 1.0) -> None:
+        """Move the average towards the model's current weights with the decay current_decay() ** power (the window's
+        scaling.ema): call once per optimizer step taken."""
+        self.last_decay = self.current_decay() ** power
+        weight = 1.0 - self.last_decay
         for key, value in model.state_dict().items():
             average = self.weights[key]
             if average.is_floating_point():

@@ -53,6 +53,7 @@ class RunRow:
     wall_s: Optional[float] = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, training loss) per step
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, val loss) per evaluation
+    noise_curve: list[tuple[int, float, int]] = field(default_factory=list)  # (samples seen, B_simple, effective)
 
 
 # --- reading ------------------------------------------------------------------------------------------
@@ -128,6 +129,8 @@ def read_run(run_dir: Path, job: str) -> RunRow:
         peaks = [r["peak_mem_mb"] for r in steps if isinstance(r.get("peak_mem_mb"), (int, float))]
         row.peak_mem_mb = max(peaks) if peaks else None
         row.curve = [(r.get("samples_seen", r["step"]), r["loss"]) for r in steps]
+        row.noise_curve = [(r.get("samples_seen", r["step"]), r["b_simple"], r["effective"]) for r in steps
+                           if isinstance(r.get("b_simple"), (int, float)) and isinstance(r.get("effective"), int)]
     seen_at = {r["step"]: r.get("samples_seen", r["step"]) for r in steps}
     for suffix in ("", "_ema"):
         losses = [r[f"val_loss{suffix}"] for r in evals if isinstance(r.get(f"val_loss{suffix}"), (int, float))]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from accutrain.errors import UserError
+from accutrain.report import noise
 from accutrain.report.runs import MISSING_VALUE, RunRow, collect, common_overrides, read_run
 
 log = logging.getLogger("accutrain")
@@ -152,9 +153,19 @@ def write_report(root: Path, rows: Optional[list[RunRow]] = None) -> Report:
         files.append(image)
     except Exception as e:  # a plot is a convenience; the table must still be written
         log.warning(f"could not draw {image}: {type(e).__name__}: {e}")
-    (root / "summary.md").write_text(markdown(rows, root, image.name if image in files else None))
+    said = "\n".join(line for line in map(noise.verdict, rows) if line)
+    try:
+        if noise.plot_noise(rows, root / "noise.png"):
+            files.append(root / "noise.png")
+    except Exception as e:
+        log.warning(f"could not draw {root / 'noise.png'}: {type(e).__name__}: {e}")
+    text = markdown(rows, root, image.name if image in files else None)
+    if said:
+        text += "\n## The noise scale\n\n" + said + ("\n\n![B_simple against the effective batch](noise.png)\n"
+                                                      if root / "noise.png" in files else "\n")
+    (root / "summary.md").write_text(text)
     write_csv(rows, root / "summary.csv")
-    parts = [overview(rows, root), markdown_table(rows), failures(rows)]
+    parts = [overview(rows, root), markdown_table(rows), failures(rows), said]
     return Report(rows, "\n\n".join(p for p in parts if p), files)
 
 

@@ -81,7 +81,7 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         log.info(f"exported with save_pretrained to {export(c.model, c.tokenizer, run_dir / 'hf')}")
     if world.main:
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
-                        out.peak_mb)
+                        out.peak_mb, noise_summary(c))
         say_how_it_ended(c, out, run_dir)
     c.strategy.close()
     if world.main:
@@ -196,8 +196,11 @@ def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
 def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     p, monitor = out.progress, c.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
+    noise = noise_summary(c)
     log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens)
-             + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+             + (f", {p.skipped} non-finite windows skipped" if p.skipped else "")
+             + (f", noise scale B_simple {noise['b_simple']:.4g} at effective batch {noise['effective']:.0f}"
+                if noise else ""))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
                                          checkpoint=str(run_dir / "checkpoints" / (
@@ -211,3 +214,12 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
                     f"checkpoint {out.checkpoint}")
     else:
         log.info(f"outputs in {run_dir}")
+
+
+def noise_summary(c: Components) -> dict[str, float]:
+    """trainer.noise_scale's last smoothed B_simple beside the effective batch of this session's latest window ({}
+    when it is off or has no estimate yet)."""
+    b_simple = c.noise.b_simple() if c.noise is not None else None
+    if b_simple is None or c.noise.effective is None:
+        return {}
+    return dict(b_simple=b_simple, effective=float(c.noise.effective))

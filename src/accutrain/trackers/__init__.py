@@ -96,14 +96,14 @@ class Trackers:
             self._call(key, "flush")
 
     def finish(self, status: str, p: "Progress", seconds: Optional[float] = None, samples: int = 0,
-               peak_mb: float = 0.0) -> None:
+               peak_mb: float = 0.0, extra: Optional[dict[str, float]] = None) -> None:
         """The end of this session: `completed`, `interrupted` or `failed`, where the run is, and when training got
-        to its end, this session's time, samples and peak memory."""
+        to its end, this session's time, samples and peak memory (and `extra` figures: the noise scale's)."""
         if not self.active:
             return
         from accutrain.report.summary import write_loss_plot
 
-        end = RunEnd(status, summary(p, self.monitor, seconds, samples, peak_mb),
+        end = RunEnd(status, {**summary(p, self.monitor, seconds, samples, peak_mb), **(extra or {})},
                      write_loss_plot(self.run_dir, status))
         for key in list(self.active):
             self._call(key, "finish", end)

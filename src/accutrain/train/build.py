@@ -16,13 +16,16 @@ from torch.utils.data import Subset
 
 from accutrain import dist
 from accutrain.config.targets import instantiate, record, run_arguments
+from accutrain.config.train import TrainerConfig
+from accutrain.config.validate import NOISE_SCALE_NEEDS_TWO
 from accutrain.core import compiled, lr_scaling
 from accutrain.core.batches import BatchFormat
 from accutrain.core.grad_buffers import grad_buffer_spec
 from accutrain.core.mixing import make_mixer
 from accutrain.core.monitor import Monitor
-from accutrain.core.plan import make_plan
-from accutrain.core.precision import Precision, make_precision
+from accutrain.core.noise_scale import NoiseScale
+from accutrain.core.plan import BatchPlan, make_plan
+from accutrain.core.precision import Precision, make_precision, scale_in_use
 from accutrain.core.windows import WindowSampler, window_loader
 from accutrain.data import datasets as data
 from accutrain.data import checks as data_checks
@@ -68,6 +71,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
                         f"not {cfg.model._target_}")
 
     optimizer = instantiate("optim", cfg.optim, model)  # scaling.lr scales its lr per window (below)
+    if cfg.scaling.beta2.name != "none" and "betas" not in optimizer.param_groups[0]:
+        raise UserError(f"scaling.beta2={cfg.scaling.beta2.name} scales Adam's β2, and the optimizer "
+                        f"{type(optimizer).__name__} has no betas: use optim=adamw or scaling.beta2=none")
     spec = grad_buffer_spec(trainer, precision, device, world.size)
     micro_batch = cfg.micro_batch
     if micro_batch == "auto":  # before SyncBatchNorm (no rank waits in a trial's collective) and the buffers' hooks
@@ -121,10 +127,25 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         if warning:
             log.warning(warning)
     typed_trainer = OmegaConf.to_object(trainer)  # the schema's dataclass: no OmegaConf lookup past the build
-    scaling = lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch)
+    scaling = lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch, cfg.scaling.beta2, cfg.scaling.ema)
     return Components(cfg, typed_trainer, scaling, world, plan, device, model, wrapped, strategy, optimizer, scheduler,
                       sampler, loader, val_loader, precision, buffers, loss, make_ema(trainer, model),
-                      Monitor.from_config(trainer, loss.task, loss.monitor), datasets.tokenizer)
+                      Monitor.from_config(trainer, loss.task, loss.monitor), datasets.tokenizer,
+                      make_noise_scale(typed_trainer, model, world, device, precision, plan, loss.elements))
+
+
+def make_noise_scale(trainer: TrainerConfig, model: nn.Module, world: World, device: torch.device,
+                     precision: Precision, plan: BatchPlan, elements: bool) -> Optional[NoiseScale]:
+    """The estimator trainer.noise_scale asks for (None when off); one line for a run it cannot measure."""
+    if not trainer.noise_scale:
+        return None
+    if elements:
+        raise UserError("trainer.noise_scale=true measures gradients per sample; this loss averages over elements "
+                        "(tokens): set loss.normalize=samples or trainer.noise_scale=false")
+    if plan.schedule is None and plan.accum == 1 and world.size == 1:
+        raise UserError(NOISE_SCALE_NEEDS_TWO)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return NoiseScale(params, world, device, trainer.noise_scale_decay, lambda: scale_in_use(precision.scaler))
 
 
 def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,

@@ -14,6 +14,7 @@ from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
 from accutrain.core.monitor import Monitor
+from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision
 from accutrain.core.windows import InProcessLoader, WindowSampler
@@ -30,7 +31,7 @@ class Components:
 
     cfg: DictConfig
     trainer: TrainerConfig  # trainer.*, as the schema's dataclass
-    lr_scaling: BatchScaling  # scaling.lr and scaling.base_batch
+    lr_scaling: BatchScaling  # scaling.*: the learning rate, β2 and the EMA's decay per window's batch
     world: World
     plan: BatchPlan
     device: torch.device
@@ -48,3 +49,4 @@ class Components:
     ema: Optional[EMA]  # the moving average of the weights (trainer.ema)
     monitor: Monitor  # the evaluation metric best.pt and early stopping follow
     tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)
+    noise: Optional[NoiseScale] = None  # the gradient noise scale's estimator (trainer.noise_scale)

@@ -80,11 +80,13 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
             watch.ended(settled.window_s, len(window.sizes))  # the pace every rank agrees on, for the next window
             if settled.stop:
                 watch.finished(progress.step + 1)
-            lr_factor = parts.lr_scaling.factor(window.batch)
-            loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * lr_factor
-            skipped = optimizer_step(parts, loss, settled, lr_factor, progress)
+            scaled = parts.lr_scaling.window(window.batch)  # the window's lr factor, β2 and EMA powers (scaling.*)
+            loss, lr = settled.loss_sum / terms, parts.optimizer.param_groups[0]["lr"] * scaled.lr
+            skipped = optimizer_step(parts, loss, settled, scaled, progress)
             if parts.ema is not None and skipped is None:
-                parts.ema.update(parts.model)  # the average moves with the optimizer step, only when one was taken
+                parts.ema.update(parts.model, scaled.ema)  # moves with the optimizer step, only when one was taken
+            if parts.noise is not None:  # B_simple from the window's micro-batches and its whole gradient
+                parts.noise.settle(settled.norm, window.size, taken=skipped is None, effective=window.batch)
             parts.optimizer.zero_grad(set_to_none=True)
             progress.advance(window, plan, loss, skipped)
             record(window, terms, loss, lr, settled, skipped,
@@ -176,13 +178,16 @@ def accumulate_window(parts: Components, progress: Progress, window: Window, bat
                 yield from cut_micro_batches([batch], cuts)
 
     while True:
+        if parts.noise is not None:  # (again after an out-of-memory) the window's micro-batch gradients from nothing
+            parts.noise.begin(terms, parts.world.size)
         try:
             if isinstance(parts.loss, ContrastiveLoss):  # a window-level loss: two passes (core/gradcache.py)
                 return accumulate_window_loss(parts.wrapped, micro_batches(), terms, parts.device, parts.loss,
                                               world=parts.world.size, no_sync=parts.strategy.no_sync,
                                               precision=parts.precision)
             return accumulate(parts.wrapped, micro_batches(), terms, parts.device, world=parts.world.size,
-                              no_sync=parts.strategy.no_sync, precision=parts.precision, loss=parts.loss)
+                              no_sync=parts.strategy.no_sync, precision=parts.precision, loss=parts.loss,
+                              observe=parts.noise.micro_batch_done if parts.noise is not None else None)
         except Exception as e:
             parts.strategy.explain(e)  # a known limitation of the strategy, as one line
             cut_after_oom(parts, progress, window, e)
@@ -219,9 +224,9 @@ def twice_note(model: torch.nn.Module) -> str:
     return (f". For what ran before the out-of-memory, {', and '.join(twice)}" if twice else "")
 
 
-def optimizer_step(parts: Components, loss: float, settled: Settled, lr_factor: float, progress: Progress
-                   ) -> Optional[str]:
-    """Step the optimizer (its learning rates × lr_factor, the window's batch scaling) and the scheduler once for the
+def optimizer_step(parts: Components, loss: float, settled: Settled, scaled: lr_scaling.WindowScaling,
+                   progress: Progress) -> Optional[str]:
+    """Step the optimizer (its learning rates and β2 as the window's batch scales them) and the scheduler once for the
     window, or say why not: `nonfinite` (trainer.on_nonfinite=skip; `stop` raises) or `amp_overflow` (16-mixed: the
     GradScaler, already updated by settle, lowered its scale)."""
     scaler = parts.precision.scaler
@@ -233,7 +238,7 @@ def optimizer_step(parts: Components, loss: float, settled: Settled, lr_factor: 
         return "nonfinite"
     if settled.overflow:
         return "amp_overflow"  # inf/NaN in the scaled gradients: no step, as GradScaler.step would decide
-    with lr_scaling.window_lr(parts.optimizer, lr_factor):
+    with lr_scaling.window_hparams(parts.optimizer, scaled):
         parts.optimizer.step()
     parts.scheduler.step()
     return None

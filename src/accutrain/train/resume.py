@@ -36,6 +36,7 @@ def checkpoint_state(c: Components, p: Progress) -> tuple[dict[str, Any], Option
         scaler=c.precision.scaler.state_dict() if c.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=c.plan.record(), config=OmegaConf.to_container(c.cfg, resolve=True, enum_to_str=True),
         step=p.step, epoch=p.epoch, monitor=c.monitor.metric,
+        noise_scale=c.noise.state_dict() if c.noise is not None else None,
     ), shards
 
 
@@ -127,6 +128,8 @@ def restore(c: Components, path: Path) -> Progress:
     if c.precision.scaler and state.get("scaler"):
         c.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
+    if c.noise is not None and state.get("noise_scale"):  # the noise scale's moving averages go on where they were
+        c.noise.load_state_dict(state["noise_scale"])
     if c.ema is not None and state.get("ema") is None:
         log.info(f"{path} holds no average of the weights (trainer.ema was off): it starts at the resumed weights")
     if state.get("monitor", "val_acc") != c.monitor.metric:  # the best so far was of another metric

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from accutrain.core import compiled, memory
+from accutrain.core.options import Beta2Scaling
 from accutrain.core.progress import Progress
 from accutrain.core.windows import Window
 from accutrain.train.components import Components
@@ -66,6 +67,9 @@ class StepLog:
                           ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
         if self.scaler:
             record["amp_scale"] = w.scale
+        record.update(scaled_hparams(c, window.batch, skipped))
+        if c.noise is not None:
+            record.update(c.noise.record)
         if c.strategy.comm is not None:
             record["grad_syncs"], record["comm_bytes"] = c.strategy.comm.take()
         if skipped:
@@ -106,3 +110,14 @@ class StepLog:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def scaled_hparams(c: Components, effective: int, skipped: Optional[str]) -> dict[str, Optional[float]]:
+    """What scaling.beta2 and scaling.ema made of β2 (the first parameter group's) and the EMA's decay for this
+    window's batch (the decay None when no update was taken); nothing when neither scales."""
+    scaled, out = c.lr_scaling.window(effective), {}
+    if c.lr_scaling.beta2 is Beta2Scaling.half_life:
+        out["beta2"] = c.optimizer.param_groups[0]["betas"][1] ** scaled.beta2
+    if c.lr_scaling.ema and c.ema is not None:
+        out["ema_decay"] = c.ema.last_decay if skipped is None else None
+    return out
