@@ -39,7 +39,7 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
             if self.announce:
-                log.warning(f"{signal.Signals(signum).name}: finishing the current optimizer step, then "
+                log.info(f"{signal.Signals(signum).name}: finishing the current optimizer step, then "
                             "checkpointing (a second Ctrl-C stops at once)")
             if self.on_request:
                 self.on_request(signum)

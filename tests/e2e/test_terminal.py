@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ONE_THREAD, TINY, cli_command
+from accutrain.run import malloc
+from conftest import ONE_THREAD, TINY, cli_command, train_run
 
 COLUMNS, ROWS = 120, 40
 CSI = re.compile(r"\x1b\[([?0-9;]*)([A-Za-z])")
@@ -142,3 +143,19 @@ def test_log_lines_never_share_a_screen_line_with_the_bar_and_the_last_bar_shows
     last = [r for r in steps if "loss" in r][-1]
     assert last["step"] == 150
     assert re.search(r"loss=([0-9.]+)", bars[0]).group(1) == f"{last['loss']:.4f}", screen
+
+
+def test_the_console_says_each_thing_in_one_short_line_and_train_log_keeps_the_detail(tmp_path):
+    """Start-up lines that fit a 120-column terminal (malloc's and dropout's explanations included), with their detail
+    in train.log only; no line labelled a warning for what is information."""
+    run_dir, proc = train_run(tmp_path, "run", "debug=fast", "model.dropout=0.2", "micro_batch=8", "accum=4",
+                              "trainer.max_steps=2")
+    console = proc.stderr.splitlines()
+    assert all(len(line) <= COLUMNS for line in console if "warning:" in line or "malloc" in line), proc.stderr
+    assert any("dropout layers are active" in line and line.count("warning:") == 1 for line in console)
+    assert "their random masks depend" not in proc.stderr
+    assert f"run directory {run_dir}" in proc.stderr
+    detail = (run_dir / "train.log").read_text()
+    assert "their random masks depend" in detail and "model.dropout=0 (hf_*, mlp, cnn)" in detail
+    if malloc.glibc_version() is not None:
+        assert "freed activations stay in the heap" in detail and "freed activations" not in proc.stderr

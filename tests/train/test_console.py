@@ -55,3 +55,16 @@ def test_a_log_line_lifts_the_bar_off_its_line_and_draws_it_again_below(monkeypa
     line_start = written.index("] step 1") - len("[hh:mm:ss")
     assert written[line_start - 1] == "\r", repr(written)  # the log line starts at the first column
     assert "1/10" in written[written.index("] step 1"):], repr(written)  # and the bar is drawn again after it
+
+
+def test_batchnorm_and_dropout_warnings_are_one_short_line_then_their_detail():
+    from torch import nn
+
+    from accutrain.models.norms import batchnorm_warning
+    from accutrain.models.pitfalls import dropout_warning
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.1), nn.Linear(4, 2)).train()
+    for warning in (batchnorm_warning(net, 8, 32, 1, False), dropout_warning(net, 8, 32)):
+        short, _, detail = warning.partition("\n")
+        assert len(f"[hh:mm:ss] warning: {short}") <= 120 and detail, warning
+    assert "Remedies: batchnorm.convert=group" in batchnorm_warning(net, 8, 32, 1, False).partition("\n")[2]

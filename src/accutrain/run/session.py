@@ -41,6 +41,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
             log.info(tuned)
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
+    if world.main:
+        log.info(f"run directory {run_dir} (train.log, metrics.jsonl, checkpoints/)")
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     c = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
@@ -199,7 +201,7 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
                  f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "
                  f"checkpoint {out.checkpoint}")
     if out.stopped_by:
-        log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
+        log.info(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
                     f"checkpoint {out.checkpoint}")
     else:
         log.info(f"outputs in {run_dir}")
