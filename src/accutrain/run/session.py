@@ -29,6 +29,7 @@ from accutrain.train.metrics import MetricsLog, summary_line
 from accutrain.train.resume import checkpoint_state, find_resume, keep_metrics_until, restore
 
 log = logging.getLogger("accutrain")
+RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")  # what best.pt leaves out
 
 
 def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.device) -> Outcome:
@@ -108,7 +109,8 @@ class Checkpoints:
     """What the loop calls to checkpoint: every rank's state into rank 0's rotating checkpoints/, every rank waiting
     for it to be on disk. A write that fails (disk full, I/O error) is one error line: the previous checkpoint stays
     whole, no temporary file is left, training goes on and the next checkpoint tries again; if the run's last one
-    (at the end, or on a signal) fails, raise_if_the_last_failed ends the run with one line."""
+    (at the end, or on a signal) fails, raise_if_the_last_failed ends the run with one line. best.pt holds what
+    evaluation needs, without the optimizer's state (for_evaluation)."""
 
     def __init__(self, c: Components, directory: Path, trackers: Trackers) -> None:
         self.c, self.trackers = c, trackers
@@ -140,7 +142,7 @@ class Checkpoints:
                 self.rotation.commit(path)
         elif c.world.main:
             try:
-                path = self.rotation.save_best(state) if best else self.rotation.save(state, p.step)
+                path = self.rotation.save_best(for_evaluation(state)) if best else self.rotation.save(state, p.step)
                 if not best:
                     self.failure = None
             except OSError as e:
@@ -159,6 +161,13 @@ class Checkpoints:
         if self.failure:
             raise UserError(f"{self.failure}: the run's last steps are not saved (make room, then resume=auto "
                             "continues from that checkpoint)")
+
+
+def for_evaluation(state: dict) -> dict:
+    """best.pt's content: the checkpoint without what only a resume needs (optimizer, scheduler, scaler, RNG
+    states) — the weights (and their average), the progress, plan and config; about half a full checkpoint with
+    SGD's momentum, a third with Adam's moments. A resume continues from step-*.pt or last.pt, never from it."""
+    return {key: value for key, value in state.items() if key not in RESUME_ONLY}
 
 
 def warn_if_disk_is_short(c: Components, rotation: checkpoint.Rotation) -> None:
@@ -202,6 +211,6 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
                  f"checkpoint {out.checkpoint}")
     if out.stopped_by:
         log.info(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
-                    f"checkpoint {out.checkpoint}")
+                 f"checkpoint {out.checkpoint}")
     else:
         log.info(f"outputs in {run_dir}")
