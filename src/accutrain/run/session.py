@@ -82,6 +82,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         raise
     finally:
         metrics.close()
+    if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
+        out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=c.device), world).item())
     if world.main and cfg.trainer.export == "hf" and not out.stopped_by:
         from accutrain.models.hf import export
 
@@ -199,8 +201,12 @@ def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
 def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     p, monitor = out.progress, c.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
-    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens)
+    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens,
+                          c.world.size)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else ""))
+    if out.peak_mb:
+        add_to_status(run_dir, peak_mem_mb=round(out.peak_mb, 1), peak_mem_of=(
+            f"the most of {c.world.size} ranks" if c.world.size > 1 else "the one rank"))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
                                          checkpoint=str(run_dir / "checkpoints" / (

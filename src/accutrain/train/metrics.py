@@ -62,10 +62,11 @@ class MetricsLog:
 
 
 def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
-                 best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None) -> str:
+                 best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None,
+                 ranks: int = 1) -> str:
     """The final line: steps and samples of the whole run; time and speed of this session (a resume is one), in
     tokens/s too when the loss terms are tokens (`session_tokens`); the best evaluation of the monitored metric
-    (`best`, said as Monitor.describe says it)."""
+    (`best`, said as Monitor.describe says it); the peak memory, the most of any rank's when `ranks` > 1."""
     def per_s(n: int) -> float:
         return n / seconds if seconds > 0 else float("nan")
 
@@ -77,5 +78,5 @@ def summary_line(steps: int, samples: int, session_samples: int, seconds: float,
     if best is not None:
         parts.append(best)
     if peak_mb:
-        parts.append(f"peak memory {peak_mb:.0f} MiB")
+        parts.append(f"peak memory {peak_mb:.0f} MiB" + (f" (the most of {ranks} ranks)" if ranks > 1 else ""))
     return ", ".join(parts)
