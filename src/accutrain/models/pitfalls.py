@@ -58,8 +58,8 @@ def unshifted_labels_warning(batch: Batch, loss: SummedLoss, share: float = 0.5)
         if t.shape == target.shape and not t.is_floating_point():
             same = float((t == target)[counted].float().mean())
             if same > share:
-                return (f"the targets equal the inputs at {same:.0%} of the positions: unshifted labels? "
-                        "(loss.shift_labels=true)\nthe first window's targets; Hugging Face's convention is labels = "
+                return (f"the targets equal the inputs at {same:.0%} of the first window's positions: labels "
+                        "unshifted?\nHugging Face's convention is labels = "
                         "input_ids, where the model shifts them, so the model would learn to copy its input; set "
                         "loss.shift_labels=true, or shift the labels in the data")
     return None
