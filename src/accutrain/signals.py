@@ -40,9 +40,9 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
             if self.announce:
-                log.warning(f"{signal.Signals(signum).name}: stopping at the end of the current window, or at once "
-                            "when its end is further off than trainer.stop_grace_s allows; then checkpointing (a second "
-                            "Ctrl-C stops at once)")
+                log.info(f"{signal.Signals(signum).name}: stopping at the end of the current window, or at once "
+                         "when its end is further off than trainer.stop_grace_s allows; then checkpointing (a second "
+                         "Ctrl-C stops at once)")
             if self.on_request:
                 self.on_request(signum)
         elif signum == signal.SIGINT:

@@ -259,3 +259,66 @@ def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_c
                         "loader.num_workers=0",
                         "trainer.progress=false")
     assert read_metrics(run)[1]
+
+
+def _recipe(compose, *args):
+    return compose("model=mlp", *args).augment
+
+
+@pytest.mark.parametrize("size, expected", [(8, 1), (16, 2), (28, 4), (32, 4), (64, 8), (3, 1)])
+def test_auto_padding_is_an_eighth_of_the_image_size(compose, size, expected):
+    assert views.padding(_recipe(compose, "augment=crop_flip"), size) == expected
+    assert views.padding(_recipe(compose, "augment=crop_flip", "augment.padding=3"), size) == 3
+
+
+def test_recipes_fit_the_8x8_digits_and_say_when_they_would_ruin_them(compose):
+    from accutrain.data.datasets import digits
+
+    source = digits().images
+    crop_flip = views.random_view(source, _recipe(compose, "augment=crop_flip"), source.mean, source.std)
+    crop = next(t for t in crop_flip.transforms if type(t).__name__ == "RandomCrop")
+    assert crop.padding == [1, 1, 1, 1]  # not CIFAR's 4 px: a shift of 1/8 of the image, as on 32×32
+    assert not any("Flip" in type(t).__name__ for t in crop_flip.transforms)  # a mirrored 2 is no digit
+    assert views.ruinous(_recipe(compose, "augment=crop_flip"), source) is None
+    for args, fragment in ((["augment=crop_flip", "augment.padding=4"], "8×8 image: augment.padding=4"),
+                           (["augment=trivialaugment"], "trivialaugment shifts up to 32 px"),
+                           (["augment=rrc_flip"], "crops of 8%"),
+                           (["augment=crop_flip", "augment.flip=true"], "augment.flip=true mirrors")):
+        warning = views.ruinous(_recipe(compose, *args), source)
+        assert warning is not None and fragment in warning.partition("\n")[0], (args, warning)
+        assert len(f"[hh:mm:ss] warning: {warning.partition(chr(10))[0]}") <= 120, warning
+
+
+def test_a_flip_stays_where_a_mirror_keeps_the_classes(compose):
+    args = [*TINY, "augment=crop_flip", "data.image_size=32"]  # generated 32×32 images: mirrors keep the classes
+    c = build(compose(*args), World(), torch.device("cpu"))
+    steps = [type(t).__name__ for t in c.loader.dataset.dataset.transform.transforms]
+    assert "RandomHorizontalFlip" in steps
+    crop = next(t for t in c.loader.dataset.dataset.transform.transforms if type(t).__name__ == "RandomCrop")
+    assert crop.padding == [4, 4, 4, 4]  # CIFAR's recipe on a 32×32 image, as before
+
+
+def test_trivialaugment_on_small_images_is_warned_about_at_start(tmp_path):
+    from conftest import captured_log
+
+    from accutrain.config.train import compose as compose_config
+
+    with captured_log() as log:
+        build(compose_config(*TINY, "augment=trivialaugment"), World(), torch.device("cpu"))
+    assert "augment may erase most of each 8×8 image" in log.getvalue()
+    with captured_log() as log:
+        build(compose_config(*TINY, "augment=crop_flip"), World(), torch.device("cpu"))
+    assert "erase" not in log.getvalue()
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["augment=crop_flip", "augment.flip=maybe"], ["augment.flip=maybe", "true, false or auto"]),
+    (["augment=crop_flip", "augment.padding=-1"], ["augment.padding=-1", "auto or 0 or more"]),
+])
+def test_bad_flip_or_padding_is_one_line(tmp_path, args, fragments):
+    from accutrain.config.train import compose as compose_config
+    from accutrain.run.launch import train
+
+    with pytest.raises(UserError) as e:
+        train(compose_config(*TINY, *args), tmp_path / "run")
+    assert_one_line_user_error(e.value, *fragments)

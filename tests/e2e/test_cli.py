@@ -45,11 +45,14 @@ def test_a_run_writes_its_outputs_into_the_run_directory(tmp_path):
 
 
 def test_progress_bar_counts_optimizer_steps_and_stays_short_in_a_log(tmp_path):
-    _, proc = train_run(tmp_path, "run", *TINY, "trainer.progress=true", "data.size=400", "micro_batch=4", "accum=5",
+    run_dir, proc = train_run(tmp_path, "run", *TINY, "trainer.progress=true", "data.size=400", "micro_batch=4", "accum=5",
                         "trainer.epochs=3")
     bar_lines = [line for line in proc.stderr.splitlines() if "step/s" in line or "?step" in line]
     assert 1 <= len(bar_lines) <= 4, proc.stderr  # the first and last states, not one line per refresh
     assert "60/60" in bar_lines[-1]  # 3 epochs × 20 optimizer steps, not 300 micro-batches
+    assert sum("60/60" in line for line in bar_lines) == 1, proc.stderr  # the end, said once
+    last = read_metrics(run_dir)[0][-1]
+    assert f"loss={last['loss']:.4f}," in bar_lines[-1], proc.stderr  # the last step's, not a stale one
 
 
 def test_custom_model_from_the_working_directory(tmp_path):

@@ -159,7 +159,7 @@ def say_how_to_resume(run_dir: Path, multirun: bool, signal_name: str, hydra_cfg
     if multirun:
         stopped(Path(str(hydra_cfg.sweep.dir)), str(hydra_cfg.job.num), signal_name, sys.argv[1:])
     else:
-        log.warning(f"Resume with the same command plus: resume=auto hydra.run.dir={run_dir}")
+        log.info(f"Resume with the same command plus: resume=auto hydra.run.dir={run_dir}")
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

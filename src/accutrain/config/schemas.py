@@ -279,10 +279,10 @@ class AugmentConfig:
     MixUp/CutMix, drawn per window from (seed, epoch, window). Evaluation is never augmented."""
 
     crop: Crop = Crop.none
-    padding: int = 4  # crop=pad
+    padding: Any = "auto"  # crop=pad: pixels, or auto: round(image size / 8), at least 1 (CIFAR's 4 on 32 px)
     scale: List[float] = field(default_factory=lambda: [0.08, 1.0])  # crop=resized: the crop's area, of the image's
     ratio: List[float] = field(default_factory=lambda: [0.75, 4 / 3])  # crop=resized: its aspect ratio
-    flip: bool = False  # random horizontal flip (p=0.5)
+    flip: Any = False  # random horizontal flip (p=0.5): true | false | auto (where a mirror keeps the classes)
     policy: Optional[str] = None  # trivialaugment | randaugment | null
     num_ops: int = 2  # policy=randaugment
     magnitude: int = 9  # policy=randaugment

@@ -155,8 +155,10 @@ def validate_batch_following(cfg: DictConfig) -> None:
 def augment_and_loss(cfg: DictConfig) -> None:
     """augment.* and loss.label_smoothing: ranges a type cannot express."""
     a, key = cfg.augment, "augment"
-    if a.padding < 0:
-        raise UserError(f"{key}.padding={a.padding} is not valid: expected 0 or more pixels")
+    if a.padding != "auto" and (isinstance(a.padding, bool) or not isinstance(a.padding, int) or a.padding < 0):
+        raise UserError(f"{key}.padding={a.padding} is not valid: expected auto or 0 or more pixels")
+    if a.flip not in (True, False, "auto"):
+        raise UserError(f"{key}.flip={a.flip} is not valid: expected true, false or auto")
     for name, low in (("scale", 0.0), ("ratio", 0.0)):
         pair = list(a[name])
         if len(pair) != 2 or not low < pair[0] <= pair[1] or (name == "scale" and pair[1] > 1):

@@ -80,7 +80,7 @@ def digits() -> Datasets:
         val = torch.from_numpy(npz["val"])
     mean, std = images[~val].mean(), images[~val].std()
     source = ImageSource(InMemory(images[~val], labels[~val]), InMemory(images[val], labels[val]), size=8,
-                         mean=(float(mean),), std=(float(std),))
+                         mean=(float(mean),), std=(float(std),), mirror=False)
     images = (images - mean) / std
     return Datasets(
         train=InMemory(images[~val], labels[~val]),
@@ -178,7 +178,7 @@ _TORCHVISION = {
     "cifar10": dict(cls="CIFAR10", folder="cifar-10-batches-py", shape=(3, 32, 32), classes=10,
                     mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616), size="170 MB"),
     "mnist": dict(cls="MNIST", folder="MNIST/raw", shape=(1, 28, 28), classes=10,
-                  mean=(0.1307,), std=(0.3081,), size="12 MB"),
+                  mean=(0.1307,), std=(0.3081,), size="12 MB", mirror=False),
 }
 
 
@@ -203,7 +203,7 @@ def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
         ) from None
     except OSError as e:  # download failed: no network, no write permission, ...
         raise UserError(f"could not download {name} to {root_path}: {e}") from None
-    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"])
+    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"], mirror=spec.get("mirror", True))
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), spec["classes"], spec["shape"], f"{name} ({root_path})",
                     images=source, decoded=True)

@@ -9,6 +9,7 @@ and a resumed run sees the views the uninterrupted one would have seen.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,7 @@ from accutrain.config.schemas import Crop
 from accutrain.errors import UserError
 from accutrain.seeding import keyed_seed, seeded_cpu_rng
 
+log = logging.getLogger("accutrain")
 VIEW_STREAM = 1  # keyed_seed(seed, VIEW_STREAM, epoch, index): one sample's view in one epoch
 
 
@@ -34,6 +36,7 @@ class ImageSource:
     convert: tuple[Any, ...] = ()  # transforms every view starts with (a PIL mode conversion)
     resize: bool = False  # raw images vary in size: the fixed view resizes the shorter side, then centre-crops
     crop: Crop = Crop.pad  # what augment.crop=auto means for this data: resized (photos) or pad (small images)
+    mirror: bool = True  # a horizontal mirror keeps every class (False for digits: augment.flip=auto does not flip)
 
 
 class Views(Dataset):
@@ -104,8 +107,8 @@ def random_view(source: ImageSource, augment: Any, mean: tuple[float, ...], std:
     else:
         steps += fixed_geometry(source)
         if crop is Crop.pad:
-            steps.append(v2.RandomCrop(source.size, padding=augment.padding))
-    if augment.flip:
+            steps.append(v2.RandomCrop(source.size, padding=padding(augment, source.size)))
+    if flips(augment, source):
         steps.append(v2.RandomHorizontalFlip())
     if augment.policy == "trivialaugment":
         steps.append(v2.TrivialAugmentWide())
@@ -117,9 +120,56 @@ def random_view(source: ImageSource, augment: Any, mean: tuple[float, ...], std:
     return v2.Compose([*steps, v2.ToPureTensor()])
 
 
-def is_random(augment: Any) -> bool:
-    """Whether the recipe draws anything per sample (MixUp/CutMix are drawn per window: accutrain.core.mixing)."""
-    return augment.crop is not Crop.none or augment.flip or augment.policy is not None or augment.random_erasing > 0
+def padding(augment: Any, size: int) -> int:
+    """crop=pad's padding in pixels: as given, or (auto) an eighth of the image size, rounded, at least 1 — CIFAR's
+    4 px on 32×32 images, 2 on 16×16, 1 on the 8×8 digits, so the random shift is the same share of any image."""
+    return max(1, round(size / 8)) if augment.padding == "auto" else int(augment.padding)
+
+
+def flips(augment: Any, source: Optional[ImageSource]) -> bool:
+    """Whether the training view mirrors at random: augment.flip=true or false as given; auto only where a mirror
+    keeps the classes (not digits or MNIST, whose 2, 3, 5, 7 mirrored are no digit)."""
+    if augment.flip == "auto":
+        return source is not None and source.mirror
+    return bool(augment.flip)
+
+
+def is_random(augment: Any, source: Optional[ImageSource] = None) -> bool:
+    """Whether the recipe draws anything per sample on `source`'s images (MixUp/CutMix are drawn per window:
+    accutrain.core.mixing)."""
+    return (augment.crop is not Crop.none or flips(augment, source) or augment.policy is not None
+            or augment.random_erasing > 0)
+
+
+def ruinous(augment: Any, source: ImageSource) -> Optional[str]:
+    """A warning when the recipe would erase most of an image or change its class: a shift of a quarter of the image
+    or more (a pad-and-crop at its largest keeps under 56 % of it; TrivialAugmentWide translates up to 32 px, made
+    for images of 32 px and more; RandAugment up to 0.45 × size × magnitude / 30), or a flip on data whose classes a
+    mirror changes; resized crops of under 56 % of an image smaller than 32 px. Its first line is the console's,
+    the rest its detail (train.log)."""
+    size, crop = source.size, source.crop if augment.crop is Crop.auto else augment.crop
+    harms = []  # (for the console, for train.log)
+    if crop is Crop.pad and 4 * padding(augment, size) >= size:
+        harms.append((f"augment.padding={padding(augment, size)}",
+                      f"augment.padding={padding(augment, size)} shifts up to {padding(augment, size)} px"))
+    if augment.policy == "trivialaugment" and size < 32:
+        harms.append(("trivialaugment shifts up to 32 px", "augment.policy=trivialaugment translates up to 32 px and "
+                      "rotates up to 135° (TrivialAugmentWide, made for images of 32 px and more)"))
+    if crop is Crop.resized and size < 32 and augment.scale[0] < 0.56:
+        harms.append((f"crops of {augment.scale[0]:.0%}", f"crop=resized keeps as little as {augment.scale[0]:.0%} "
+                      "of the image (augment.scale)"))
+    if augment.policy == "randaugment" and 4 * 0.453 * augment.magnitude / 30 >= 1:
+        harms.append((f"magnitude {augment.magnitude}", f"augment.policy=randaugment at magnitude "
+                      f"{augment.magnitude} translates up to {0.453 * augment.magnitude / 30:.0%} of the image"))
+    if harms:
+        return (f"augment may erase most of each {size}×{size} image: {', '.join(h[0] for h in harms)}\n"
+                f"{'; '.join(h[1] for h in harms)}. At its largest, a shift of a quarter of the image or more leaves "
+                "under 56 % of it. augment=crop_flip (its padding auto: an eighth of the image size) or augment=none "
+                "keep most of each image")
+    if augment.flip is True and not source.mirror:
+        return ("augment.flip=true mirrors images whose class a mirror changes (digits); augment.flip=auto does not"
+                "\na mirrored 2, 3, 5 or 7 is no digit: the model learns from wrong labels")
+    return None
 
 
 def pretrained_normalisation(model_cfg: Any, channels: int) -> Optional[tuple[tuple[float, ...], tuple[float, ...]]]:
@@ -154,9 +204,9 @@ def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 
                                                          copies),
                                    val=Views(source.val, random_view(source, augment, mean, std), seed, copies))
     if source is None:
-        if is_random(augment) or augment.eval_crop_ratio != 1.0:
+        if is_random(augment, None) or augment.flip is True or augment.eval_crop_ratio != 1.0:
             key = (f"augment.crop={augment.crop.name}" if augment.crop is not Crop.none else
-                   "augment.flip=true" if augment.flip else f"augment.policy={augment.policy}" if augment.policy
+                   "augment.flip=true" if augment.flip is True else f"augment.policy={augment.policy}" if augment.policy
                    else f"augment.random_erasing={augment.random_erasing}" if augment.random_erasing
                    else f"augment.eval_crop_ratio={augment.eval_crop_ratio}")
             raise UserError(f"{key}: data {datasets.description} has no images to augment; use augment=none")
@@ -164,7 +214,9 @@ def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 
     pretrained = pretrained_normalisation(model_cfg, datasets.sample_shape[0])
     mean, std = pretrained or (source.mean, source.std)
     train, val = datasets.train, datasets.val
-    if is_random(augment):
+    if is_random(augment, source):
+        if warning := ruinous(augment, source):
+            log.warning(warning)
         train = Views(source.train, random_view(source, augment, mean, std), seed)
     elif pretrained:
         train = Views(source.train, fixed_view(source, 1.0, mean, std))

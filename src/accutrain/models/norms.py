@@ -61,15 +61,15 @@ def convert_norm(model: nn.Module, norm: Any, groups: int) -> int:
 
 def batchnorm_warning(model: nn.Module, micro_batch: int, effective: int, devices: int, synced: bool
                       ) -> Optional[str]:
-    """The start-up warning when BatchNorm layers in training mode take their statistics over fewer samples than the
+    """The start-up warning (a short first line, then the detail) when BatchNorm layers in training mode take their statistics over fewer samples than the
     window (None when there are none, or when SyncBatchNorm's statistics cover the whole window)."""
     norms = len(batchnorm_layers(model, training_only=True))
     seen = micro_batch * (devices if synced else 1)  # the samples one BatchNorm statistic is taken over
     if not norms or seen >= effective:
         return None
-    return (f"{norms} BatchNorm layers take their statistics over {seen} samples, not the window's {effective}: the "
-            f"accumulated step is not exactly the big batch's (accutrain-check measures by how much). Remedies: "
-            f"{REMEDIES}")
+    return (f"{norms} BatchNorm layers take their statistics over {seen} samples, not the window's {effective} "
+            f"(remedies: train.log)\nthe accumulated step is not exactly the big batch's (accutrain-check measures by "
+            f"how much). Remedies: {REMEDIES}")
 
 
 def sync_batchnorm(model: nn.Module) -> int:

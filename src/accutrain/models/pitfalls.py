@@ -35,14 +35,16 @@ def dropout_layers(model: nn.Module) -> list[str]:
 
 
 def dropout_warning(model: nn.Module, micro_batch: int, effective: int) -> Optional[str]:
-    """The start-up warning when dropout is active and the window is cut (accum > 1 or several devices)."""
+    """The start-up warning (a short first line, then the detail) when dropout is active and the window is cut (accum > 1 or several devices)."""
     layers = dropout_layers(model)
     if not layers or micro_batch >= effective:
         return None
-    return (f"{len(layers)} dropout layers are active ({', '.join(layers[:3])}{', …' if len(layers) > 3 else ''}): "
-            f"their random masks depend on how the window of {effective} is cut into micro-batches of {micro_batch}, "
-            "so the accumulated step is the big batch's in distribution, not draw for draw; model.dropout=0 "
-            "(hf_*, mlp, cnn) makes every split take the same step")
+    return (f"{len(layers)} dropout layers are active: the big batch's step in distribution only "
+            f"(model.dropout=0: exact)\n"
+            f"the layers: {', '.join(layers[:3])}{', …' if len(layers) > 3 else ''}; their random masks depend on "
+            f"how the window of {effective} is cut into micro-batches of {micro_batch}, so the accumulated step is "
+            "the big batch's in distribution, not draw for draw; model.dropout=0 (hf_*, mlp, cnn) makes every split "
+            "take the same step")
 
 
 def unshifted_labels_warning(batch: Batch, loss: SummedLoss, share: float = 0.5) -> Optional[str]:
@@ -56,8 +58,8 @@ def unshifted_labels_warning(batch: Batch, loss: SummedLoss, share: float = 0.5)
         if t.shape == target.shape and not t.is_floating_point():
             same = float((t == target)[counted].float().mean())
             if same > share:
-                return (f"the targets equal the inputs at {same:.0%} of the first window's positions: the labels "
-                        "look unshifted (Hugging Face's convention labels = input_ids, where the model shifts "
-                        "them), so the model would learn to copy its input; set loss.shift_labels=true, or "
-                        "shift the labels in the data")
+                return (f"the targets equal the inputs at {same:.0%} of the first window's positions: labels "
+                        "unshifted?\nHugging Face's convention is labels = "
+                        "input_ids, where the model shifts them, so the model would learn to copy its input; set "
+                        "loss.shift_labels=true, or shift the labels in the data")
     return None

@@ -29,8 +29,8 @@ def glibc_version() -> Optional[str]:
 
 def tune_malloc() -> str:
     """Raise glibc's mmap and trim thresholds to 1 GiB in this process (its forked loader workers inherit them); the
-    line to log says what was done, or why nothing was: not glibc, or the user's own MALLOC_*_ / GLIBC_TUNABLES
-    malloc settings, which are left alone."""
+    message to log says what was done (a short first line, then the detail), or why nothing was: not glibc, or the
+    user's own MALLOC_*_ / GLIBC_TUNABLES malloc settings, which are left alone."""
     version = glibc_version()
     if version is None:
         return "trainer.tune_malloc: the C library is not glibc; its allocator is left as it is"
@@ -44,5 +44,6 @@ def tune_malloc() -> str:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not (mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, THRESHOLD) == 1):
         return f"trainer.tune_malloc: glibc {version} refused the thresholds; its allocator is left as it is"
-    return (f"glibc {version} malloc: mmap and trim thresholds raised to 1 GiB, so freed activations stay in the heap "
-            "for the next micro-batch (trainer.tune_malloc=false keeps glibc's defaults)")
+    return (f"glibc {version} malloc tuned for training on the CPU (trainer.tune_malloc)\n"
+            "mmap and trim thresholds raised to 1 GiB, so freed activations stay in the heap for the next "
+            "micro-batch (trainer.tune_malloc=false keeps glibc's defaults)")

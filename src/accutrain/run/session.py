@@ -29,6 +29,7 @@ from accutrain.train.metrics import MetricsLog, summary_line
 from accutrain.train.resume import checkpoint_state, resume_point, start_branch
 
 log = logging.getLogger("accutrain")
+RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")  # what best.pt leaves out
 
 
 def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.device) -> Outcome:
@@ -41,6 +42,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
             log.info(tuned)
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
+    if world.main:
+        log.info(f"run directory {run_dir} (train.log, metrics.jsonl, checkpoints/)")
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     c = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
@@ -75,6 +78,8 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         raise
     finally:
         metrics.close()
+    if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
+        out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=c.device), world).item())
     if world.main and cfg.trainer.export == "hf" and not out.stopped_by:
         from accutrain.models.hf import export
 
@@ -102,7 +107,8 @@ class Checkpoints:
     """What the loop calls to checkpoint: every rank's state into rank 0's rotating checkpoints/, every rank waiting
     for it to be on disk. A write that fails (disk full, I/O error) is one error line: the previous checkpoint stays
     whole, no temporary file is left, training goes on and the next checkpoint tries again; if the run's last one
-    (at the end, or on a signal) fails, raise_if_the_last_failed ends the run with one line."""
+    (at the end, or on a signal) fails, raise_if_the_last_failed ends the run with one line. best.pt holds what
+    evaluation needs, without the optimizer's state (for_evaluation)."""
 
     def __init__(self, c: Components, directory: Path, trackers: Trackers) -> None:
         self.c, self.trackers = c, trackers
@@ -135,7 +141,7 @@ class Checkpoints:
                 self.rotation.commit(path)
         elif c.world.main:
             try:
-                path = self.rotation.save_best(state) if best else self.rotation.save(state, p.step)
+                path = self.rotation.save_best(for_evaluation(state)) if best else self.rotation.save(state, p.step)
                 if not best:
                     self.failure = None
             except OSError as e:
@@ -165,6 +171,13 @@ class Checkpoints:
         if self.failure:
             raise UserError(f"{self.failure}: the run's last steps are not saved (make room, then resume=auto "
                             "continues from that checkpoint)")
+
+
+def for_evaluation(state: dict) -> dict:
+    """best.pt's content: the checkpoint without what only a resume needs (optimizer, scheduler, scaler, RNG
+    states) — the weights (and their average), the progress, plan and config; about half a full checkpoint with
+    SGD's momentum, a third with Adam's moments. A resume continues from step-*.pt or last.pt, never from it."""
+    return {key: value for key, value in state.items() if key not in RESUME_ONLY}
 
 
 def warn_if_disk_is_short(c: Components, rotation: checkpoint.Rotation) -> None:
@@ -197,10 +210,14 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     p, monitor = out.progress, c.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
     noise = noise_summary(c)
-    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens)
+    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens,
+                          c.world.size)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else "")
              + (f", noise scale B_simple {noise['b_simple']:.4g} at effective batch {noise['effective']:.0f}"
                 if noise else ""))
+    if out.peak_mb:
+        add_to_status(run_dir, peak_mem_mb=round(out.peak_mb, 1), peak_mem_of=(
+            f"the most of {c.world.size} ranks" if c.world.size > 1 else "the one rank"))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
                                          checkpoint=str(run_dir / "checkpoints" / (
@@ -210,8 +227,8 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
                  f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "
                  f"checkpoint {out.checkpoint}")
     if out.stopped_by:
-        log.warning(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
-                    f"checkpoint {out.checkpoint}")
+        log.info(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
+                 f"checkpoint {out.checkpoint}")
     else:
         log.info(f"outputs in {run_dir}")
 

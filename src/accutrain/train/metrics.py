@@ -1,14 +1,11 @@
-"""metrics.jsonl, the progress bar (it counts optimizer steps, never micro-batches) and the final summary."""
+"""metrics.jsonl and the final summary line (the progress bar and the console: accutrain.train.console)."""
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
-
-from tqdm import tqdm
 
 from accutrain.store.files import json_text
 from accutrain.trackers import Trackers
@@ -95,41 +92,12 @@ class MetricsLog:
             self.file = None
 
 
-class _LogLines:
-    """A file for tqdm when stderr is a log, not a terminal: every refresh becomes one plain line."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        text = text.replace("\r", "").strip()
-        if text:
-            self.stream.write(text + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
-    """A bar over optimizer steps; in a log (stderr not a terminal) one line every 30 s at most, and the last."""
-    interactive = sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, unit="step", disable=not enabled, dynamic_ncols=True,
-                file=sys.stderr if interactive else _LogLines(sys.stderr), mininterval=0.25 if interactive else 30.0)
-
-
-class ConsoleFormatter(logging.Formatter):
-    """`[hh:mm:ss] message`, with the level named when it is not INFO."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
-        return f"[{self.formatTime(record, '%H:%M:%S')}] {level}{record.getMessage()}"
-
-
 def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
-                 best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None) -> str:
+                 best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None,
+                 ranks: int = 1) -> str:
     """The final line: steps and samples of the whole run; time and speed of this session (a resume is one), in
     tokens/s too when the loss terms are tokens (`session_tokens`); the best evaluation of the monitored metric
-    (`best`, said as Monitor.describe says it)."""
+    (`best`, said as Monitor.describe says it); the peak memory, the most of any rank's when `ranks` > 1."""
     def per_s(n: int) -> float:
         return n / seconds if seconds > 0 else float("nan")
 
@@ -141,5 +109,5 @@ def summary_line(steps: int, samples: int, session_samples: int, seconds: float,
     if best is not None:
         parts.append(best)
     if peak_mb:
-        parts.append(f"peak memory {peak_mb:.0f} MiB")
+        parts.append(f"peak memory {peak_mb:.0f} MiB" + (f" (the most of {ranks} ranks)" if ranks > 1 else ""))
     return ", ".join(parts)

@@ -15,7 +15,8 @@ from accutrain.core.options import Beta2Scaling
 from accutrain.core.progress import Progress
 from accutrain.core.windows import Window
 from accutrain.train.components import Components
-from accutrain.train.metrics import MetricsLog, progress_bar
+from accutrain.train.console import StepBar
+from accutrain.train.metrics import MetricsLog
 
 log = logging.getLogger("accutrain")
 
@@ -37,7 +38,7 @@ class StepLog:
     def __init__(self, c: Components, metrics: MetricsLog, p: Progress) -> None:
         self.c, self.metrics, self.p = c, metrics, p
         self.log_every, self.elements, self.scaler = c.trainer.log_every, c.loss.tokens, c.precision.scaler
-        self.bar = progress_bar(c.plan.total_steps, p.step, c.trainer.progress and c.world.main)
+        self.bar = StepBar(c.plan.total_steps, p.step, c.trainer.progress and c.world.main)
         self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
         self.compiling = compiled.WATCH if compiled.is_compiled(c.model) else None
         self.graphs_said, self.first_step = 0, p.step + 1
@@ -81,10 +82,8 @@ class StepLog:
                 f"dropped, no optimizer step ({p.skipped} skipped so far)"))
         self.metrics.step(record)
         unit, per_s = ("tokens", record["tokens_per_s"]) if self.elements else ("samples", rate)
-        if not self.bar.disable and time.time() - self.bar.last_print_t >= self.bar.mininterval:  # update() redraws
-            self.bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{lr:.3g}", f"{unit}_s": f"{per_s:.0f}"},
-                                 refresh=False)
-        self.bar.update()
+        if not self.bar.disable:
+            self.bar.step(loss, lr, unit, per_s)
         if self.compiling is not None and self.compiling.graphs == 0 and p.step == self.first_step and \
                 c.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
             log.warning("trainer.compile=true, yet torch.compile compiled nothing in the first optimizer step: the "
