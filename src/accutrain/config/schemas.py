@@ -58,6 +58,16 @@ class CharLMModel(ModelConfig):
 
 
 @dataclass
+class LoRAConfig:
+    """model.lora: PEFT's LoraConfig (r, lora_alpha, lora_dropout, target_modules); null: PEFT's default."""
+
+    r: Optional[int] = None  # the rank (PEFT: 8)
+    alpha: Optional[float] = None  # the scale is alpha / r (PEFT: 8)
+    dropout: Optional[float] = None  # PEFT: 0 — a non-zero one draws per micro-batch (warned when the window is cut)
+    target_modules: Optional[List[str]] = None  # layer names; null: PEFT's defaults for the architecture
+
+
+@dataclass
 class HFModel(ModelConfig):
     """A Hugging Face transformers model (the `hf` extra): pretrained, or randomly initialised from a config."""
 
@@ -70,6 +80,9 @@ class HFModel(ModelConfig):
     attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2 …; null: the library's choice
     trust_remote_code: bool = False
     revision: Optional[str] = None  # a Hub branch, tag or commit
+    adapter: Optional[str] = None  # lora (the peft extra): train adapters, the model frozen; null: train it all
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    quantize: Optional[str] = None  # 4bit: QLoRA (CUDA + bitsandbytes; with adapter=lora and pretrained weights)
 
 
 @dataclass

@@ -146,7 +146,8 @@ class TrainerConfig:
     # Signals that stop the run after the current optimizer step, with a checkpoint (a cluster's preemption notice;
     # under submitit the job is then requeued and resumes).
     preempt_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
-    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
+    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer; an adapter as PEFT saves it) into the run
+    # directory's hf/ at the end; merged: an adapted model with its adapter merged into the weights
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
     tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
     compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once

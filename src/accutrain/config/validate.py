@@ -70,8 +70,9 @@ def validate(cfg: DictConfig) -> None:
     if t.dist_timeout_s <= 0:
         raise UserError(f"trainer.dist_timeout_s={t.dist_timeout_s} is not valid: expected a positive number of "
                         "seconds")
-    if t.get("export") not in (None, "hf"):
-        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
+    if t.get("export") not in (None, "hf", "merged"):
+        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end), merged "
+                        "(an adapted model with its adapter merged in) or null")
     if t.memory_budget_mb is not None and t.memory_budget_mb <= 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.batchnorm.groups < 1:
