@@ -158,6 +158,35 @@ class TextData(DataConfig):
 
 
 @dataclass
+class HFColumns:
+    """data.columns: which column holds each role (a role whose column is absent is not used)."""
+
+    text: str = "text"  # language modelling; with label: sequence classification
+    prompt: str = "prompt"  # with response: the prompt is masked out of the loss
+    response: str = "response"
+    messages: str = "messages"  # chat records: [{role, content}, …], the loss on the assistant's tokens
+    label: str = "label"
+
+
+@dataclass
+class HFData(DataConfig):
+    _target_: str = "accutrain.data.hf_data.hf_data"
+    train: str = MISSING  # a .json/.jsonl/.csv/.parquet file, a save_to_disk directory, or a dataset name (cached)
+    val: Optional[str] = None  # the same for held-out records; null: val_fraction of train, held out by the seed
+    val_fraction: float = 0.1
+    split: str = "train"  # the split of a dataset name or a DatasetDict directory that train reads
+    val_split: str = "validation"  # … and that val reads
+    tokenizer: str = "bytes"  # bytes (built in, with a simple chat template) | a Hugging Face tokenizer name or path
+    max_length: int = 512
+    packing: bool = False
+    padding: str = "longest"
+    columns: HFColumns = field(default_factory=HFColumns)
+    cache_dir: Optional[str] = None  # where datasets caches what it reads and tokenizes; null: its default
+    seed: int = II("seed")
+    ignore_index: int = II("loss.ignore_index")
+
+
+@dataclass
 class ImageFolderData(DataConfig):
     _target_: str = "accutrain.data.image_folder"
     root: str = MISSING

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel,
-                                      ConstantSched, CosineSched, DigitsData, HFCausalLMModel, HFSeqClsModel,
+                                      ConstantSched, CosineSched, DigitsData, HFCausalLMModel, HFData, HFSeqClsModel,
                                       ImageFolderData, LoaderConfig, LossConfig, MLPModel, ScalingConfig, SequenceData,
                                       SGDOptim, SyntheticData, TextData, TorchvisionData, TorchvisionModel)
 from accutrain.config.renames import renamed
@@ -203,6 +203,7 @@ SCHEMAS = {
     ("data", "image_folder_schema"): ImageFolderData,
     ("data", "sequences_schema"): SequenceData,
     ("data", "text_schema"): TextData,
+    ("data", "hf_schema"): HFData,
     ("optim", "sgd_schema"): SGDOptim,
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,
