@@ -92,7 +92,8 @@ def chats(n: int = 40) -> str:
     """`data.train=chat.jsonl` for docs/finetune.md: conversations of one or two assistant turns."""
     def conversation(a: int, b: int) -> list[dict]:
         turns = [{"role": "user", "content": f"{a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
-        return turns + ([{"role": "user", "content": "sure?"}, {"role": "assistant", "content": "yes"}] if a % 3 else [])
+        more = [{"role": "user", "content": "sure?"}, {"role": "assistant", "content": "yes"}] if a % 3 else []
+        return turns + more
     return "".join(json.dumps({"messages": conversation(i % 13, i % 7)}) + "\n" for i in range(n))
 
 

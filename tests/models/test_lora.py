@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from accutrain.errors import UserError
 from accutrain.seeding import seed_everything
-from conftest import (assert_identical, assert_one_line_error, run_cli, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
-                      start, train_here, wait_for_steps)
+from conftest import (assert_identical, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
+                      final_weights, read_metrics, run_cli, start, train_here, wait_for_steps)
 from test_hf import SLOW_HF, files, lm  # noqa: F401  (files: the module's text fixture)
 
 transformers = pytest.importorskip("transformers")

@@ -239,7 +239,8 @@ class CosineSched(SchedConfig):
 
 @dataclass
 class LossConfig:
-    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples
+    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples; sequences: the mean
+    # over the window's samples of each one's token mean
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
     shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
     label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class

@@ -16,7 +16,8 @@ from accutrain.errors import UserError
 
 
 def render(messages: list[dict], add_generation_prompt: bool) -> str:
-    """The byte tokenizer's template (tokenizer.CHAT_TEMPLATE, saved with its export), rendered: `<|role|>`, a newline, the content and a newline per message."""
+    """The byte tokenizer's template (tokenizer.CHAT_TEMPLATE, saved with its export), rendered: `<|role|>`, a
+    newline, the content and a newline per message."""
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 

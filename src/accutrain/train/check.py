@@ -171,7 +171,7 @@ def _compare(c: Components) -> Check:
 
     big = [whole]
     per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
-    reference_terms = dataclasses.replace(loss, elements=per_element).terms(big)  # the big batch's mean
+    reference_terms = dataclasses.replace(loss, elements=per_element and not loss.per_sequence).terms(big)  # the mean
     reference, where = None, str(device)
     try:
         reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
@@ -197,8 +197,8 @@ def _compare(c: Components) -> Check:
     micro_batches = -(-len(whole) // c.plan.micro_batch)  # every device's, of up to micro_batch samples
     check = Check(len(whole), c.plan.micro_batch, micro_batches, precision.name, per_group, overall,
                   tolerance(precision.name), where)
-    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check, loss.elements,
-                          per_element)
+    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check,
+                          loss.elements or loss.per_sequence, per_element)
     return check
 
 
