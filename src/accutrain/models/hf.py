@@ -45,7 +45,8 @@ class HFAdapter(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.use_cache = "use_cache" in inspect.signature(model.forward).parameters
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes **kwargs on
+        self.use_cache = "use_cache" in inspect.signature(base.forward).parameters
         self.adapted = hasattr(model, "peft_config")  # model.adapter: the state holds the adapter's entries only
         if self.adapted:
             self.register_state_dict_post_hook(_adapter_only)  # before the keys lose their "model." prefix
