@@ -96,6 +96,19 @@ def test_merged_export_is_a_plain_model_with_the_adapters_logits(files, tmp_path
     torch.testing.assert_close(logits(merged, IDS), logits(trained.model, IDS), rtol=1e-5, atol=1e-5)
 
 
+def test_activation_checkpointing_with_adapters_takes_the_same_steps_and_bf16_trains(files, big_lora, tmp_path):
+    """The adapted model is called with use_cache=False too: a key/value cache made the recomputation's shapes
+    differ from the forward's."""
+    recomputed, log = train_here(tmp_path, "ckpt", *lora(files, "micro_batch=16",
+                                                         "trainer.activation_checkpointing=true"))
+    assert "activation checkpointing: 2 blocks" in log
+    assert_same_weights(final_weights(recomputed), final_weights(big_lora[0]))
+    bf16, _ = train_here(tmp_path, "bf16", *lora(files, "micro_batch=4", "accum=4", "trainer.precision=bf16-mixed",
+                                                 "trainer.activation_checkpointing=true", "trainer.max_steps=2"))
+    steps = read_metrics(bf16)[0]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+
+
 @pytest.mark.slow
 def test_sigkill_with_adapters_resumes_bit_identically(files, tmp_path, monkeypatch):
     """The adapter's own dropout (0.1) on, so its RNG state must come back too; the resumed process rebuilds the
