@@ -13,10 +13,12 @@ from accutrain.errors import UserError
 from accutrain.seeding import seed_everything
 from conftest import (assert_identical, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
                       final_weights, read_metrics, run_cli, start, train_here, wait_for_steps)
-from test_hf import SLOW_HF, files, lm  # noqa: F401  (files: the module's text fixture)
+import test_hf
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+
+files, lm, SLOW_HF = test_hf.files, test_hf.lm, test_hf.SLOW_HF  # test_hf's text files (a fixture), its run
 
 LORA = ["model.adapter=lora", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0",
         "model.lora.target_modules=[c_attn,c_fc]"]
