@@ -93,6 +93,15 @@ def pairs(n: int = 40) -> str:
                    for a, b in ((i % 13, i % 7) for i in range(n)))
 
 
+def chats(n: int = 40) -> str:
+    """`data.train=chat.jsonl` for docs/finetune.md: conversations of one or two assistant turns."""
+    def conversation(a: int, b: int) -> list[dict]:
+        turns = [{"role": "user", "content": f"{a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
+        more = [{"role": "user", "content": "sure?"}, {"role": "assistant", "content": "yes"}] if a % 3 else []
+        return turns + more
+    return "".join(json.dumps({"messages": conversation(i % 13, i % 7)}) + "\n" for i in range(n))
+
+
 # Runs every command in one Python process (each as its console script would: accutrain.cli.main.main with sys.argv),
 # so that the imports are paid once; records each one's exit code and what it printed on stderr.
 DRIVER = """
@@ -236,6 +245,7 @@ def test_every_readme_command_works_as_printed(tmp_path):
     (work / "mydata.py").write_text(MYDATA)
     (work / "mylosses.py").write_text(MYLOSSES)
     (work / "pairs.jsonl").write_text(pairs())
+    (work / "chat.jsonl").write_text(chats())
     runs, expected = [], []
     for index, (command, code, error) in enumerate(all_commands()):
         if skipped(command) or command in [c for c, _, _ in expected]:

@@ -362,3 +362,17 @@ def test_dropout_zero_reaches_what_no_dropout_layer_holds():
     assert hf.set_dropout_config(config, 0.0) == ["attention_dropout"]
     assert hf.set_dropout_modules(model, 0.0) >= 1
     assert dropout_layers(model) == [] and twice()
+
+
+@pytest.mark.slow
+def test_per_sequence_loss_is_exact_under_any_split_and_across_ranks(files, big_lm, tmp_path):
+    """loss.normalize=sequences: the mean over the window's sequences of each one's token mean; its |W| is the
+    window's samples, so rank 1's empty last micro-step (a stand-in) adds nothing."""
+    args = ("loss.normalize=sequences",)
+    big, _ = train_here(tmp_path, "big", *lm(files, *args, "micro_batch=16"))
+    acc, _ = train_here(tmp_path, "acc", *lm(files, *args, "micro_batch=4", "accum=4"))
+    two, _ = train_here(tmp_path, "two", *lm(files, *args, "devices=2", "micro_batch=4", "accum=2"))
+    assert_same_weights(final_weights(acc), final_weights(big))
+    assert_same_weights(final_weights(two), final_weights(big))
+    tokens = final_weights(big_lm[0])  # the token mean takes other steps
+    assert any(not torch.allclose(tokens[k], final_weights(big)[k]) for k in tokens)

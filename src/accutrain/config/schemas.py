@@ -58,6 +58,16 @@ class CharLMModel(ModelConfig):
 
 
 @dataclass
+class LoRAConfig:
+    """model.lora: PEFT's LoraConfig (r, lora_alpha, lora_dropout, target_modules); null: PEFT's default."""
+
+    r: Optional[int] = None  # the rank (PEFT: 8)
+    alpha: Optional[float] = None  # the scale is alpha / r (PEFT: 8)
+    dropout: Optional[float] = None  # PEFT: 0 — a non-zero one draws per micro-batch (warned when the window is cut)
+    target_modules: Optional[List[str]] = None  # layer names; null: PEFT's defaults for the architecture
+
+
+@dataclass
 class HFModel(ModelConfig):
     """A Hugging Face transformers model (the `hf` extra): pretrained, or randomly initialised from a config."""
 
@@ -70,6 +80,9 @@ class HFModel(ModelConfig):
     attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2 …; null: the library's choice
     trust_remote_code: bool = False
     revision: Optional[str] = None  # a Hub branch, tag or commit
+    adapter: Optional[str] = None  # lora (the peft extra): train adapters, the model frozen; null: train it all
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    quantize: Optional[str] = None  # 4bit: QLoRA (CUDA + bitsandbytes; with adapter=lora and pretrained weights)
 
 
 @dataclass
@@ -146,6 +159,35 @@ class TextData(DataConfig):
 
 
 @dataclass
+class HFColumns:
+    """data.columns: which column holds each role (a role whose column is absent is not used)."""
+
+    text: str = "text"  # language modelling; with label: sequence classification
+    prompt: str = "prompt"  # with response: the prompt is masked out of the loss
+    response: str = "response"
+    messages: str = "messages"  # chat records: [{role, content}, …], the loss on the assistant's tokens
+    label: str = "label"
+
+
+@dataclass
+class HFData(DataConfig):
+    _target_: str = "accutrain.data.hf_data.hf_data"
+    train: str = MISSING  # a .json/.jsonl/.csv/.parquet file, a save_to_disk directory, or a dataset name (cached)
+    val: Optional[str] = None  # the same for held-out records; null: val_fraction of train, held out by the seed
+    val_fraction: float = 0.1
+    split: str = "train"  # the split of a dataset name or a DatasetDict directory that train reads
+    val_split: str = "validation"  # … and that val reads
+    tokenizer: str = "bytes"  # bytes (built in, with a simple chat template) | a Hugging Face tokenizer name or path
+    max_length: int = 512
+    packing: bool = False
+    padding: str = "longest"
+    columns: HFColumns = field(default_factory=HFColumns)
+    cache_dir: Optional[str] = None  # where datasets caches what it reads and tokenizes; null: its default
+    seed: int = II("seed")
+    ignore_index: int = II("loss.ignore_index")
+
+
+@dataclass
 class ImageFolderData(DataConfig):
     _target_: str = "accutrain.data.image_folder"
     root: str = MISSING
@@ -201,7 +243,8 @@ class CosineSched(SchedConfig):
 @dataclass
 class LossConfig:  # loss=cross_entropy
     _target_: str = "accutrain.core.losses.cross_entropy"
-    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples
+    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples; sequences: the mean
+    # over the window's samples of each one's token mean
     ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
     shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
     label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class

@@ -20,7 +20,7 @@ from omegaconf import MISSING, DictConfig
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, BCELoss, CharLMModel, CNNModel,
                                       ConstantSched, ContrastiveLossConfig, CosineSched, DigitsData, ElementLoss,
-                                      HFCausalLMModel, HFSeqClsModel, HuberLoss, ImageFolderData, LoaderConfig,
+                                      HFCausalLMModel, HFData, HFSeqClsModel, HuberLoss, ImageFolderData, LoaderConfig,
                                       LossConfig, MLPModel, ScalingConfig, SequenceData, SGDOptim, SyntheticData,
                                       TextData, TorchvisionData, TorchvisionModel)
 from accutrain.core.options import LastWindow
@@ -152,7 +152,8 @@ class TrainerConfig:
     # The grace a stop signal leaves before the kill: a window that would end within half of it is finished, a longer
     # one abandoned (its partial gradients dropped, the last completed step checkpointed; the resume redoes it).
     stop_grace_s: float = 60.0
-    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer) into the run directory's hf/ at the end
+    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer; an adapter as PEFT saves it) into the run
+    # directory's hf/ at the end; merged: an adapted model with its adapter merged into the weights
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
     tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
     compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once
@@ -208,6 +209,7 @@ SCHEMAS = {
     ("data", "image_folder_schema"): ImageFolderData,
     ("data", "sequences_schema"): SequenceData,
     ("data", "text_schema"): TextData,
+    ("data", "hf_schema"): HFData,
     ("optim", "sgd_schema"): SGDOptim,
     ("optim", "adamw_schema"): AdamWOptim,
     ("sched", "constant_schema"): ConstantSched,

@@ -79,8 +79,9 @@ def validate(cfg: DictConfig) -> None:
     if not t.stop_grace_s >= 0:  # NaN too
         raise UserError(f"trainer.stop_grace_s={t.stop_grace_s} is not valid: expected the seconds a stop signal "
                         "leaves before the kill, 0 or more (0: a window in progress is always abandoned)")
-    if t.get("export") not in (None, "hf"):
-        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end) or null")
+    if t.get("export") not in (None, "hf", "merged"):
+        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end), merged "
+                        "(an adapted model with its adapter merged in) or null")
     if t.memory_budget_mb is not None and not t.memory_budget_mb > 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.batchnorm.groups < 1:

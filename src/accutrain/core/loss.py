@@ -19,16 +19,24 @@ from accutrain.core.options import Normalize
 
 
 def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                         label_smoothing: float = 0.0) -> torch.Tensor:
+                         label_smoothing: float = 0.0, per_sequence: bool = False) -> torch.Tensor:
     """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides.
     Targets are class indices per sample (logits N×C) or per element (logits N×C×d…, targets N×d…), whose
     ignore_index adds nothing, or class probabilities per sample (N×C floats: MixUp/CutMix's soft targets).
     label_smoothing ε makes each target (1 - ε) × itself + ε/C on every class, per term: the sum stays a sum of
-    per-term losses. Half-precision logits are promoted: the loss is float32 at least."""
+    per-term losses. Half-precision logits are promoted: the loss is float32 at least. `per_sequence`: Σ_s of
+    sample s's mean over its elements whose target is not ignore_index (0 for a sample without one) — each
+    sample's count is its own, so the sum is the same however the samples are grouped."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index,
-                           label_smoothing=label_smoothing)
+    if not per_sequence:
+        return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index,
+                               label_smoothing=label_smoothing)
+    per_element = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing)
+    dims = tuple(range(1, per_element.dim()))
+    counted = (target != ignore_index).sum(dims).clamp(min=1)  # padding and masked prompts carry ignore_index
+    return (per_element.sum(dims) / counted).sum()
 
 
 def shift_left(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -77,13 +85,15 @@ class SummedLoss:
     ignore_index: int = -100
     shift_labels: bool = False  # targets are the labels shifted left by one position (labels = input_ids)
     label_smoothing: float = 0.0  # loss.label_smoothing: training only (evaluation reports the plain loss)
+    per_sequence: bool = False  # loss.normalize=sequences: a term is a sample's mean over its elements
 
     def target(self, labels: torch.Tensor) -> torch.Tensor:
         """The targets the loss compares the logits with."""
         return shift_left(labels, self.ignore_index) if self.shift_labels else labels
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return summed_cross_entropy(logits, self.target(labels), self.ignore_index, self.label_smoothing)
+        return summed_cross_entropy(logits, self.target(labels), self.ignore_index, self.label_smoothing,
+                                    self.per_sequence)
 
     def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
         """|W| of these micro-batches: samples, or elements counted after the shift."""
@@ -127,4 +137,5 @@ def make_loss(normalize: Normalize, ignore_index: int, shift_labels: Optional[bo
     if normalize is Normalize.auto:
         normalize = Normalize(defaults.get("normalize", "samples"))
     shift = defaults.get("shift_labels", False) if shift_labels is None else shift_labels
-    return SummedLoss(normalize in (Normalize.elements, Normalize.tokens), ignore_index, shift, label_smoothing)
+    return SummedLoss(normalize in (Normalize.elements, Normalize.tokens), ignore_index, shift, label_smoothing,
+                      normalize is Normalize.sequences)

@@ -10,6 +10,7 @@ class Normalize(enum.Enum):
     samples = "samples"  # the window's loss is the mean over its samples
     elements = "elements"  # … over its elements (tokens, pixels), ignoring loss.ignore_index
     tokens = "tokens"  # the same as elements
+    sequences = "sequences"  # … over its samples of each one's mean over its elements (tokens), as GRPO's loss
 
 
 class LRScaling(enum.Enum):

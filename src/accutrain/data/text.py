@@ -47,6 +47,16 @@ class Record(dict):
         self.line = line
 
 
+def hold_out(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(the indices trained on, the indices held out): `val_fraction` of n samples, drawn by the seed, in order."""
+    if not 0 < val_fraction < 1 or n < 2:
+        raise UserError(f"data.val_fraction={val_fraction} with {n} samples: expected a fraction in (0, 1) of at "
+                        "least 2 samples, or data.val=<file>")
+    order = torch.randperm(n, generator=generator(seed, HELD_OUT_STREAM)).tolist()
+    n_val = max(1, round(n * val_fraction))
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
 def read_records(path: str, key: str) -> list[dict[str, Any]]:
     """A .txt file's non-empty lines as {"text": line}, or a .jsonl file's objects (one per non-empty line), each a
     Record knowing its line."""
@@ -165,21 +175,13 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
               seed: int, ignore_index: int = -100) -> Datasets:
     """data=text: a training file and a held-out file (or `val_fraction` of the training file, drawn by the seed),
     tokenized; language modelling, or sequence classification when the records carry `label_field`."""
-    if max_length < 2:
-        raise UserError(f"data.max_length={max_length} is not valid: expected at least 2 tokens")
-    if padding not in ("longest", "max_length"):
-        raise UserError(f"data.padding={padding} is not valid: expected longest or max_length")
+    check_lengths(max_length, padding)
     records = read_records(train, "data.train")
     if val is not None:
         held_out = read_records(val, "data.val")
     else:
-        if not 0 < val_fraction < 1 or len(records) < 2:
-            raise UserError(f"data.val_fraction={val_fraction} with {len(records)} samples: expected a fraction in "
-                            "(0, 1) of at least 2 samples, or data.val=<file>")
-        order = torch.randperm(len(records), generator=generator(seed, HELD_OUT_STREAM)).tolist()
-        n_val = max(1, round(len(records) * val_fraction))
-        held_out = [records[i] for i in sorted(order[:n_val])]
-        records = [records[i] for i in sorted(order[n_val:])]
+        kept, out = hold_out(len(records), val_fraction, seed)
+        records, held_out = [records[i] for i in kept], [records[i] for i in out]
     lm = not (label_field and label_field in records[0])
     if packing and not lm:
         raise UserError("data.packing=true packs language-modelling samples; these records carry labels "
@@ -195,13 +197,28 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
         elif packing:
             samples = pack(samples, max_length)
         splits.append(as_items(samples, classes, max_length))
+    task = "language modelling" + (", packed" if packing else "") if lm else f"{len(names)} classes"
+    return tokenized_datasets(splits, tok, None if lm else names, max_length, padding, ignore_index,
+                              f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})")
+
+
+def check_lengths(max_length: int, padding: str) -> None:
+    """data.max_length and data.padding, or one line."""
+    if max_length < 2:
+        raise UserError(f"data.max_length={max_length} is not valid: expected at least 2 tokens")
+    if padding not in ("longest", "max_length"):
+        raise UserError(f"data.padding={padding} is not valid: expected longest or max_length")
+
+
+def tokenized_datasets(splits: list[Tokenized], tok: Any, class_names: Optional[list[str]], max_length: int,
+                       padding: str, ignore_index: int, description: str) -> Datasets:
+    """The training and held-out items as Datasets: padded per micro-batch (or to max_length) with the tokenizer's
+    padding token, language modelling over its vocabulary, or classes when `class_names` are given."""
     pad = pad_id(tok)
     collate = PadCollate(dict(input_ids=pad, attention_mask=0, labels=ignore_index),
                          length=max_length if padding == "max_length" else None)
-    num_classes = len(tok) if lm else len(names)
-    task = "language modelling" + (", packed" if packing else "") if lm else f"{num_classes} classes"
-    return Datasets(splits[0], splits[1], num_classes, (max_length,),
-                    f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})",
+    lm = class_names is None
+    return Datasets(splits[0], splits[1], len(tok) if lm else len(class_names), (max_length,), description,
                     extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
-                               **({} if lm else dict(class_names=names))),
+                               **({} if lm else dict(class_names=class_names))),
                     collate=collate, tokenizer=tok, classes="tokens in the vocabulary" if lm else "classes")

@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Any
 
 
+# The byte tokenizer's chat template (data.chat.render renders it without Jinja), saved with its exported tokenizer.
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 class ByteTokenizer:
     """A text's UTF-8 bytes are its token ids (0–255), followed by end-of-sequence (257); 256 pads, 258 stands for
     an unknown token (never produced). Vocabulary: 259. Saved (trainer.export=hf) as a Hugging Face fast
@@ -52,7 +57,9 @@ def fast_byte_tokenizer() -> Any:
                                                  pre_tokenizers.Split("", behavior="isolated")])  # a token per byte
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", 257)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def load_tokenizer(name: str) -> Any:

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
+from accutrain.models import adapters
+from accutrain.models.adapters import first_line
 from accutrain.models.pitfalls import STOCHASTIC
 
 log = logging.getLogger("accutrain")
@@ -43,9 +45,26 @@ class HFAdapter(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.use_cache = "use_cache" in inspect.signature(model.forward).parameters
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes **kwargs on
+        self.use_cache = "use_cache" in inspect.signature(base.forward).parameters
+        self.adapted = hasattr(model, "peft_config")  # model.adapter: the state holds the adapter's entries only
+        if self.adapted:
+            self.register_state_dict_post_hook(_adapter_only)  # before the keys lose their "model." prefix
         self.register_state_dict_post_hook(_plain_keys)
         self.register_load_state_dict_pre_hook(_inner_keys)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """An adapted model loads exactly its trained entries (another model's, or a full model's, are refused as
+        a mismatch); its frozen base stays as the factory built it."""
+        if not self.adapted:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        expected = {key[len("model."):] for key in adapters.trained_keys(self)}
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError("Error(s) in loading state_dict for the adapted model: "
+                               + (f"missing {', '.join(missing[:3])}; " if missing else "")
+                               + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         if self.use_cache:
@@ -55,7 +74,12 @@ class HFAdapter(nn.Module):
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
-    def save_pretrained(self, directory: Path) -> None:
+    def save_pretrained(self, directory: Path, merged: bool = False) -> None:
+        """save_pretrained of the model; an adapted one writes its adapter as PEFT saves it, or (`merged`) the
+        base model with the adapter merged into its weights (which leaves this model merged)."""
+        if merged and self.adapted:
+            self.model = self.model.merge_and_unload()
+            self.adapted = False
         self.model.save_pretrained(directory)
 
 
@@ -72,6 +96,12 @@ class HFSeqCls(HFAdapter):
     """Logits (batch, classes)."""
 
 
+def _adapter_only(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    keep = {prefix + key for key in adapters.trained_keys(module)}
+    for key in [k for k in state_dict if k.startswith(prefix) and k not in keep]:
+        del state_dict[key]
+
+
 def _plain_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     inner = prefix + "model."
     items = list(state_dict.items())
@@ -86,27 +116,45 @@ def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) ->
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
-def causal_lm(num_classes: int, **kwargs: Any) -> HFCausalLM:
-    """model=hf_causal_lm: AutoModelForCausalLM; a random initialisation takes the data's vocabulary."""
-    return HFCausalLM(load("AutoModelForCausalLM", num_labels=None, vocab_size=kwargs.pop("vocab_size", num_classes),
-                           **kwargs))
+def causal_lm(num_classes: int, adapter: Optional[str] = None, lora: Optional[dict] = None,
+              quantize: Optional[str] = None, **kwargs: Any) -> HFCausalLM:
+    """model=hf_causal_lm: AutoModelForCausalLM; a random initialisation takes the data's vocabulary; `adapter`
+    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model."""
+    adapters.check(adapter, quantize)
+    model = load("AutoModelForCausalLM", num_labels=None, vocab_size=kwargs.pop("vocab_size", num_classes),
+                 quantize=quantize, **kwargs)
+    return HFCausalLM(adapt(model, "AutoModelForCausalLM", adapter, lora, quantize))
 
 
-def seq_cls(num_classes: int, class_names: Optional[list[str]] = None, **kwargs: Any) -> HFSeqCls:
+def seq_cls(num_classes: int, class_names: Optional[list[str]] = None, adapter: Optional[str] = None,
+            lora: Optional[dict] = None, quantize: Optional[str] = None, **kwargs: Any) -> HFSeqCls:
     """model=hf_seq_cls: AutoModelForSequenceClassification with a head of the data's `num_classes` (named by
-    `class_names` in the exported config's id2label)."""
-    model = load("AutoModelForSequenceClassification", num_labels=num_classes, **kwargs)
+    `class_names` in the exported config's id2label); `adapter` as for causal_lm (the head is trained whole)."""
+    adapters.check(adapter, quantize)
+    model = load("AutoModelForSequenceClassification", num_labels=num_classes, quantize=quantize, **kwargs)
     if class_names:
         model.config.id2label = dict(enumerate(class_names))
         model.config.label2id = {name: i for i, name in enumerate(class_names)}
-    return HFSeqCls(model)
+    return HFSeqCls(adapt(model, "AutoModelForSequenceClassification", adapter, lora, quantize))
+
+
+def adapt(model: nn.Module, auto_class: str, adapter: Optional[str], lora: Optional[dict],
+          quantize: Optional[str]) -> nn.Module:
+    """The model with `adapter` applied (adapters.apply), or as it is."""
+    if adapter is None:
+        return model
+    adapted = adapters.apply(model, auto_class, lora, quantized=quantize is not None)
+    trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    log.info(f"model.adapter={adapter}: {trained:,} of {sum(p.numel() for p in adapted.parameters()):,} parameters "
+             "trained, the rest frozen; checkpoints hold the trained ones")
+    return adapted
 
 
 def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool = True,
          config: Optional[dict] = None, dropout: Optional[float] = None, dtype: str = "float32",
          attn_implementation: Optional[str] = None, trust_remote_code: bool = False, revision: Optional[str] = None,
          num_labels: Optional[int] = None, vocab_size: Optional[int] = None, pad_token_id: Optional[int] = None,
-         eos_token_id: Optional[int] = None) -> nn.Module:
+         eos_token_id: Optional[int] = None, quantize: Optional[str] = None) -> nn.Module:
     """The Hugging Face model as configured: `name_or_path`'s weights (pretrained) or its architecture, or
     `config` (with its model_type) randomly initialised; `config` overrides, dropout set, the data's pad token."""
     what = "model=hf_causal_lm" if auto_class == "AutoModelForCausalLM" else "model=hf_seq_cls"
@@ -146,12 +194,16 @@ def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool =
         set_dropout_config(hf_config, dropout)
     auto = getattr(transformers, auto_class)
     options = dict(dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if quantize and random_init:
+        raise UserError(f"model.quantize={quantize} quantizes pretrained weights as they load: give model.name_or_path "
+                        "(pretrained), or drop model.quantize for a randomly initialised model")
     try:
         if random_init:
             model = auto.from_config(hf_config, **{**options, "dtype": DTYPES[dtype.replace("auto", "float32")]})
         else:
             extra = dict(ignore_mismatched_sizes=True) if num_labels is not None else {}  # a new head
-            model = from_hub(auto, name_or_path, config=hf_config, revision=revision, **options, **extra)
+            model = from_hub(auto, name_or_path, config=hf_config, revision=revision, **options, **extra,
+                             **adapters.quantization_config(quantize, transformers))
     except (ValueError, ImportError) as e:  # a config this auto class has no model for, an attention backend…
         raise UserError(f"{what}: {first_line(e)}") from None
     if dropout is not None:
@@ -174,10 +226,6 @@ def from_hub(loader: Any, name_or_path: str, key: str = "model.name_or_path", **
         raise UserError(f"{key}={name_or_path} could not be loaded ({first_line(e)}): give a local directory (a "
                         "save_pretrained output), or download it once with network access (HF_HUB_OFFLINE=1 skips "
                         "the network)") from None
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def set_dropout_config(config: Any, p: float) -> list[str]:
@@ -209,9 +257,10 @@ def set_dropout_modules(model: nn.Module, p: float) -> int:
     return count
 
 
-def export(model: nn.Module, tokenizer: Any, directory: Path) -> Path:
-    """save_pretrained of the model (and the data's tokenizer) into `directory`: from_pretrained loads it back."""
-    model.save_pretrained(directory)
+def export(model: nn.Module, tokenizer: Any, directory: Path, merged: bool = False) -> Path:
+    """save_pretrained of the model (and the data's tokenizer) into `directory`: from_pretrained loads it back (an
+    adapter: PEFT's from_pretrained onto the base model; `merged`: the model with its adapter merged in)."""
+    model.save_pretrained(directory, merged=merged)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
     return directory

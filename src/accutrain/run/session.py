@@ -80,10 +80,12 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         metrics.close()
     if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
         out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=c.device), world).item())
-    if world.main and cfg.trainer.export == "hf" and not out.stopped_by:
+    if world.main and cfg.trainer.export and not out.stopped_by:
         from accutrain.models.hf import export
 
-        log.info(f"exported with save_pretrained to {export(c.model, c.tokenizer, run_dir / 'hf')}")
+        merged = cfg.trainer.export == "merged"
+        log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
+                 f"{export(c.model, c.tokenizer, run_dir / 'hf', merged=merged)}")
     if world.main:
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
                         out.peak_mb, noise_summary(c))

@@ -66,9 +66,12 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
         raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
                         "target per sample")
-    if trainer.export == "hf" and not hasattr(model, "save_pretrained"):
-        raise UserError(f"trainer.export=hf needs a Hugging Face model (model=hf_causal_lm or model=hf_seq_cls), "
-                        f"not {cfg.model._target_}")
+    if trainer.export and not hasattr(model, "save_pretrained"):
+        raise UserError(f"trainer.export={trainer.export} needs a Hugging Face model (model=hf_causal_lm or "
+                        f"model=hf_seq_cls), not {cfg.model._target_}")
+    if trainer.export == "merged" and not getattr(model, "adapted", False):
+        raise UserError("trainer.export=merged merges an adapter into the model: it needs model.adapter=lora "
+                        "(trainer.export=hf saves a model trained whole)")
 
     optimizer = instantiate("optim", cfg.optim, model)  # scaling.lr scales its lr per window (below)
     if cfg.scaling.beta2.name != "none" and "betas" not in optimizer.param_groups[0]:

@@ -180,9 +180,9 @@ def _compare(c: Components) -> Check:
     big = [whole]
     per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
     # the big batch's mean: cross-entropy's over its elements when the targets are per element (a check of
-    # loss.normalize too); another loss's as it counts its terms
-    reference_terms = (dataclasses.replace(loss, elements=per_element) if isinstance(loss, SummedLoss)
-                       else loss).terms(big)
+    # loss.normalize too), per sequence for loss.normalize=sequences; another loss's as it counts its terms
+    reference_terms = (dataclasses.replace(loss, elements=per_element and not loss.per_sequence)
+                       if isinstance(loss, SummedLoss) else loss).terms(big)
     reference, where = None, str(device)
     try:
         reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
@@ -210,8 +210,8 @@ def _compare(c: Components) -> Check:
                   tolerance(precision.name), where)
     if isinstance(loss, ContrastiveLoss):  # the probes forward one view per input
         micro, whole = [unpaired(b) for b in micro], unpaired(whole)
-    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check, loss.elements,
-                          per_element)
+    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check,
+                          loss.elements or getattr(loss, "per_sequence", False), per_element)
     return check
 
 

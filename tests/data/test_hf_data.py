@@ -1,0 +1,128 @@
+"""data=hf: the `datasets` library's local files (jsonl, csv, parquet, save_to_disk), column mapping, tokenization
+cached by fingerprint, chat records with the loss on the assistant's tokens only, and the bad inputs in one line."""
+import json
+
+import pytest
+import torch
+
+from accutrain.data.chat import encode_chat, render
+from accutrain.data.hf_data import hf_data
+from accutrain.data.text import text_data
+from accutrain.data.tokenizer import ByteTokenizer
+from accutrain.errors import UserError
+from conftest import assert_one_line_user_error, final_weights, read_metrics, train_here
+
+datasets = pytest.importorskip("datasets")
+
+PAIRS = [{"prompt": f"{i} plus {i % 3} is ", "response": f"it is {i + i % 3}"} for i in range(12)]
+CHATS = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i} plus 1?"},
+                       {"role": "assistant", "content": f"{i + 1}."}, {"role": "user", "content": "sure?"},
+                       {"role": "assistant", "content": "yes"}]} for i in range(10)]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def common(tmp_path, **kwargs):
+    return dict(val_fraction=0.25, tokenizer="bytes", max_length=64, packing=False, padding="longest", seed=0,
+                ignore_index=-100, cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def items(split):
+    return [(x["input_ids"].tolist(), x["labels"].tolist()) for x in split]
+
+
+def test_jsonl_csv_parquet_and_save_to_disk_give_data_texts_items(tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    text = text_data(str(path), None, 0.25, "bytes", 64, False, "longest", "text", "prompt", "response", "label", 0)
+    table = datasets.Dataset.from_list([{"question": r["prompt"], "answer": r["response"]} for r in PAIRS])
+    table.to_csv(str(tmp_path / "pairs.csv"), index=False)
+    table.to_parquet(str(tmp_path / "pairs.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    renamed = dict(prompt="question", response="answer")
+    for source, columns in ((path, None), (tmp_path / "pairs.csv", renamed), (tmp_path / "pairs.parquet", renamed),
+                            (tmp_path / "saved", renamed)):
+        data = hf_data(str(source), columns=columns, **common(tmp_path))
+        assert items(data.train) == items(text.train), source  # the same held-out draw, masking, EOS
+        assert items(data.val) == items(text.val), source
+    assert data.num_classes == 259 and "prompt/response" in data.description
+
+
+def test_tokenization_is_cached_by_fingerprint(tmp_path):
+    path = write_jsonl(tmp_path / "lm.jsonl", [{"body": f"sample {i}", "other": f"row {i}"} for i in range(8)])
+    first = hf_data(str(path), columns=dict(text="body"), **common(tmp_path))
+    cached = sorted((tmp_path / "cache").rglob("cache-*.arrow"))
+    assert cached  # the tokenized records, written by Dataset.map
+    stamps = {p: p.stat().st_mtime_ns for p in cached}
+    again = hf_data(str(path), columns=dict(text="body"), **common(tmp_path))
+    assert sorted((tmp_path / "cache").rglob("cache-*.arrow")) == cached  # read back, not tokenized again
+    assert {p: p.stat().st_mtime_ns for p in cached} == stamps
+    assert items(again.train) == items(first.train)
+    other = hf_data(str(path), columns=dict(text="other"), **common(tmp_path))
+    assert len(sorted((tmp_path / "cache").rglob("cache-*.arrow"))) > len(cached)  # another tokenization: new
+    assert items(other.train) != items(first.train)
+
+
+def test_chat_records_count_only_the_assistants_tokens(tmp_path):
+    data = hf_data(str(write_jsonl(tmp_path / "chat.jsonl", CHATS)), **{**common(tmp_path), "max_length": 256})
+    for ids, labels in items(data.train) + items(data.val):
+        assert bytes(t for t in ids if t < 256).decode().startswith("<|system|>\nBe brief.\n<|user|>\n")
+        counted = [t for t in labels if t != -100]
+        spans = bytes(t for t in counted if t < 256).decode()
+        assert spans.endswith(".\nyes\n") and "user" not in spans and "plus" not in spans
+        assert counted[-1] == ByteTokenizer.eos_token_id  # the end of the last answer is learnt
+        first = spans[: spans.index(".")]
+        assert len(counted) == len(first) + len(".\n") + len("yes\n") + 1
+    assert "chat, the loss on the assistant's tokens" in data.description
+
+
+def test_the_exported_byte_tokenizer_renders_the_same_chat(tmp_path):
+    pytest.importorskip("transformers")
+    from accutrain.data.tokenizer import fast_byte_tokenizer
+
+    fast = fast_byte_tokenizer()
+    messages = CHATS[0]["messages"]
+    for generation in (False, True):
+        assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation) == \
+            render(messages, generation)
+    ours = encode_chat([messages], ByteTokenizer(), -100, "bytes", "x")
+    theirs = encode_chat([messages], fast, -100, "exported", "x")
+    assert ours == theirs
+
+
+def test_missing_columns_records_without_an_assistant_and_uncached_names_are_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"body": "x"}] * 4)
+    with pytest.raises(UserError) as info:
+        hf_data(str(path), **common(tmp_path))
+    assert_one_line_user_error(info.value, "has none of the columns data.columns.text=text", "its columns are: body")
+    lonely = [{"messages": [{"role": "user", "content": "hello?"}]}] * 4
+    with pytest.raises(UserError) as info:
+        hf_data(str(write_jsonl(tmp_path / "lonely.jsonl", lonely)), **common(tmp_path))
+    assert_one_line_user_error(info.value, "record 0 has no assistant turn (roles: user)")
+    with pytest.raises(UserError) as info:  # HF_HUB_OFFLINE=1 (conftest): nothing cached under that name
+        hf_data("accutrain-tests/no-such-dataset", **common(tmp_path))
+    assert_one_line_user_error(info.value, "data.train=accutrain-tests/no-such-dataset could not be loaded",
+                               "HF_HUB_OFFLINE=1")
+    with pytest.raises(UserError) as info:
+        hf_data(str(tmp_path / "nothing.jsonl"), **common(tmp_path))
+    assert_one_line_user_error(info.value, "(no such file)")
+    with pytest.raises(UserError) as info:
+        hf_data(str(path), columns=dict(txt="body"), **common(tmp_path))
+    assert_one_line_user_error(info.value, "data.columns.txt is not a role")
+
+
+@pytest.mark.slow
+def test_a_chat_run_with_lora_takes_the_same_steps_under_any_split(tmp_path):
+    pytest.importorskip("peft")
+    path = write_jsonl(tmp_path / "chat.jsonl", CHATS * 4)  # 36 trained: windows of 16, 16 and 4
+    args = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "+model.config.n_layer=2", "+model.config.n_head=2",
+            "+model.config.n_embd=32", "+model.config.n_positions=128", "model.dropout=0", "model.adapter=lora",
+            "data=hf", f"data.train={path}", f"data.cache_dir={tmp_path / 'cache'}", "data.max_length=128",
+            "optim=sgd", "optim.lr=0.5", "optim.momentum=0", "trainer.epochs=1", "trainer.progress=false"]
+    big, _ = train_here(tmp_path, "big", *args, "micro_batch=16")
+    acc, _ = train_here(tmp_path, "acc", *args, "micro_batch=4", "accum=4")
+    for key, value in final_weights(big).items():
+        torch.testing.assert_close(final_weights(acc)[key], value, rtol=1e-5, atol=1e-6)
+    assert [r["elements"] for r in read_metrics(acc)[0]] == [r["elements"] for r in read_metrics(big)[0]]
