@@ -1,6 +1,7 @@
 """loss=: every loss sums per-term losses and counts its terms from the targets, so the accumulated gradient is the
 gradient of the window's mean, whatever the split; evaluation sums are exact over any cut of the held-out split."""
 import math
+import sys
 
 import hydra
 import pytest
@@ -152,6 +153,7 @@ def test_a_custom_class_gets_the_nodes_other_keys(compose, tmp_path, monkeypatch
         "class Scaled:\n    def __init__(self, weight):\n        self.weight = weight\n"
         "    def __call__(self, out, t):\n        return self.weight * (out - t).square()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mylosses", raising=False)  # not another test's module of that name
     cfg = compose("debug=fast", "loss=custom", "loss._target_=mylosses.Scaled", "+loss.weight=3.0",
                   "loss.normalize=elements")
     loss = build_loss(cfg.loss)

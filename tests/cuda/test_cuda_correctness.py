@@ -6,6 +6,8 @@ import os
 import queue
 import socket
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as torch_dist
@@ -82,6 +84,7 @@ BN = [*TINY_DATA, "model=custom", "model._target_=bnmodel.Net"]
 def bn_model(tmp_path, monkeypatch):
     (tmp_path / "bnmodel.py").write_text(BN_MODEL)
     monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(sys.modules, "bnmodel", raising=False)  # not another test's module of that name
     return tmp_path
 
 
@@ -89,6 +92,7 @@ def bn_model(tmp_path, monkeypatch):
 def oom_model(tmp_path, monkeypatch):
     (tmp_path / "oommodel.py").write_text(OOM_MODEL)
     monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(sys.modules, "oommodel", raising=False)
     return tmp_path
 
 
@@ -465,7 +469,8 @@ def test_process_group_binds_the_device_and_a_patient_group(monkeypatch):
     dist.wait_for_main(World(0, 2, 0))
     assert calls[0] == ("init", ("nccl",), dict(rank=0, world_size=2, device_id=torch.device("cuda", 0)))
     assert calls[1] == ("group", dict(backend="gloo", timeout=datetime.timedelta(seconds=3600)))
-    assert calls[2] == ("barrier", "patient")
+    assert calls[2] == ("group", dict(backend="gloo"))  # the stop votes' host-side group (beside NCCL's)
+    assert calls[3] == ("barrier", "patient")
 
 
 @pytest.mark.parametrize("fails", [False, True])

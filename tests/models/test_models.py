@@ -60,7 +60,7 @@ def test_user_target_gets_the_data_arguments_it_accepts():
     ({"_target_": "no_such_module.Net"}, "cannot import it"),
     ({"_target_": "torch.nn.NoSuchNet"}, "torch.nn has no attribute 'NoSuchNet'"),
     ({"_target_": "torch.nn.Linear"}, "model._target_=torch.nn.Linear"),
-    ({"_target_": "accutrain.models.mlp", "hidden": [4], "width": 3}, "unexpected keyword argument 'width'"),
+    ({"_target_": "accutrain.models.mlp", "hidden": [4], "width": 3}, "takes no argument 'width'"),
     ({"_target_": "accutrain.models.torchvision_classifier", "name": "vgg11"}, "does not take 1×8×8 inputs"),
 ])
 def test_model_errors_are_one_line(cfg, message):

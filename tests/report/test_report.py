@@ -216,12 +216,15 @@ def test_recorded_marks_every_outcome(tmp_path):
     with recorded(tmp_path):
         assert status(tmp_path)["state"] == "running"
     assert status(tmp_path)["state"] == "completed"
-    with pytest.raises(UserError), recorded(tmp_path):
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "stopped").mkdir()
+    with pytest.raises(UserError), recorded(tmp_path / "failed"):  # a new run's (an earlier one's record is kept)
         raise UserError("accum=0 is not valid")
-    assert (status(tmp_path)["state"], status(tmp_path)["error"]) == ("failed", "accum=0 is not valid")
-    with pytest.raises(KeyboardInterrupt), recorded(tmp_path):
+    assert (status(tmp_path / "failed")["state"], status(tmp_path / "failed")["error"]) == ("failed",
+                                                                                            "accum=0 is not valid")
+    with pytest.raises(KeyboardInterrupt), recorded(tmp_path / "stopped"):
         raise KeyboardInterrupt
-    assert status(tmp_path)["state"] == "interrupted"
+    assert status(tmp_path / "stopped")["state"] == "interrupted"
     assert one_line(ValueError("first\nsecond")) == "ValueError: first"
     assert one_line(RuntimeError()) == "RuntimeError"
 

@@ -337,13 +337,13 @@ class Net(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices, model", [(1, "slow.Net"), (2, "slow.Net"), (1, "bnmodel.Net")])
+@pytest.mark.parametrize("devices, model", [(1, "slow.Net"), (2, "slow.Net"), (1, "stopbn.Net")])
 def test_a_stop_early_in_a_long_window_abandons_it_and_the_resume_is_bit_identical(slow, devices, model):
     """Issue 32: a stop signal does not wait for a long window. The run stops within a few micro-batches, checkpoints
     optimizer step 2 (the window of step 3 dropped, its RNG and running statistics put back), and its resume ends
     bit-identical to the uninterrupted run — dropout's masks, and BatchNorm's running statistics, which the dropped
     window's forward passes moved; with 2 ranks both abandon the same micro-batch."""
-    (slow / "bnmodel.py").write_text(BATCHNORM_MODEL)
+    (slow / "stopbn.py").write_text(BATCHNORM_MODEL)
     args = [*LONG_WINDOW, f"devices={devices}", f"model._target_={model}"]
     reference, _ = train_here(slow, "reference", *args)
     log, code = stop_early_in_a_window(slow, "stopped", *args)

@@ -1,6 +1,7 @@
 """The schemas of what is trained and how it descends: the config groups `model/`, `data/`, `augment/`, `optim/`,
-`sched/` and `loss`, as dataclasses in Hydra's ConfigStore (accutrain.config.train registers them with the others), so
-that an unknown key or a wrong type is refused by name when the config is composed.
+`sched/` and the nodes `batchnorm`, `loader`, `scaling` (the `loss/` group's are in accutrain.config.loss_schemas),
+as dataclasses in Hydra's ConfigStore (accutrain.config.train registers them with the others), so that an unknown
+key or a wrong type is refused by name when the config is composed.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import II, MISSING
 
-from accutrain.core.options import Beta2Scaling, LRScaling, MixMode, Normalize
+from accutrain.core.options import Beta2Scaling, LRScaling, MixMode
 
 
 class Norm(enum.Enum):
@@ -236,47 +237,6 @@ class ConstantSched(SchedConfig):
 class CosineSched(SchedConfig):
     _target_: str = "accutrain.models.sched.cosine"
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak lr
-
-
-# --- loss/ --------------------------------------------------------------------------------------------
-# `_target_` is the loss's factory (accutrain.core.losses); every other key is a keyword argument of it.
-@dataclass
-class LossConfig:  # loss=cross_entropy
-    _target_: str = "accutrain.core.losses.cross_entropy"
-    normalize: Normalize = Normalize.auto  # auto: tokens for model=hf_causal_lm, else samples; sequences: the mean
-    # over the window's samples of each one's token mean
-    ignore_index: int = -100  # element targets equal to this (padding) count neither in the loss nor in the mean
-    shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: model=hf_causal_lm
-    label_smoothing: float = 0.0  # ε: each target is (1 - ε) × its class + ε spread over every class
-
-
-@dataclass
-class ElementLoss:  # loss=mse | l1 | huber | bce: float targets, summed per element
-    _target_: str = MISSING
-    normalize: Normalize = Normalize.auto  # auto = elements: the mean over elements; samples: over samples
-    ignore_index: int = -100  # target elements equal to this count neither in the loss nor in the mean
-
-
-@dataclass
-class HuberLoss(ElementLoss):
-    _target_: str = "accutrain.core.losses.huber"
-    delta: float = 1.0  # squared below |error| = delta, linear above
-
-
-@dataclass
-class ContrastiveLossConfig:  # loss=contrastive
-    _target_: str = "accutrain.core.contrastive.contrastive"
-    temperature: float = 0.07  # τ: cosine similarities × 1/τ (learn_temperature: τ's starting value)
-    symmetric: bool = True  # CLIP's mean of both directions; false: view 0 against every view 1 only
-    learn_temperature: bool = False  # a parameter the optimizer steps and checkpoints hold
-    window: bool = True  # false: each micro-batch's own loss (naive accumulation, not the big batch's objective)
-    ignore_index: int = -100  # unused; the data's padding default reads it
-
-
-@dataclass
-class BCELoss(ElementLoss):
-    _target_: str = "accutrain.core.losses.bce"
-    pos_weight: Optional[float] = None  # weight of the positive labels' terms (BCEWithLogitsLoss's pos_weight)
 
 
 # --- what accutrain applies around the factories ---------------------------------------------------------------

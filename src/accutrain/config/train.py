@@ -17,11 +17,11 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from accutrain.config.loss_schemas import BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig
 from accutrain.config.renames import renamed
-from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, BCELoss, CharLMModel, CNNModel,
-                                      ConstantSched, ContrastiveLossConfig, CosineSched, DigitsData, ElementLoss,
-                                      HFCausalLMModel, HFData, HFSeqClsModel, HuberLoss, ImageFolderData, LoaderConfig,
-                                      LossConfig, MLPModel, ScalingConfig, SequenceData, SGDOptim, SyntheticData,
+from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
+                                      CosineSched, DigitsData, HFCausalLMModel, HFData, HFSeqClsModel, ImageFolderData,
+                                      LoaderConfig, MLPModel, ScalingConfig, SequenceData, SGDOptim, SyntheticData,
                                       TextData, TorchvisionData, TorchvisionModel)
 from accutrain.core.options import LastWindow
 

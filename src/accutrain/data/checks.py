@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from accutrain.config.schemas import LossConfig
+from accutrain.config.loss_schemas import LossConfig
 from accutrain.core import samples
 from accutrain.core.batches import BatchFormat, batch_format
 from accutrain.core.options import Normalize

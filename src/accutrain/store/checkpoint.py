@@ -98,6 +98,9 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     if (not isinstance(state, dict) or state.get("format") not in READABLE
             or "model" not in state and not state.get("sharded")):
         raise UserError(f"{path} is not an accutrain checkpoint")
+    if "optimizer" not in state and not state.get("sharded"):
+        raise UserError(f"{path} holds the weights for evaluation only (best.pt keeps no optimizer state): resume "
+                        "from last.pt or a step-*.pt of the same run")
     if missing := [key for key in REQUIRED if key not in state]:
         raise UserError(f"{path} is not a whole accutrain checkpoint: it holds no {', '.join(missing)}")
     return state

@@ -22,15 +22,21 @@ PATH_KEY = re.compile(r"(^|_)(file|filename|path|dir|folder)$")
 
 
 def is_run_dir(directory: Path) -> bool:
-    """Whether `directory` holds accutrain's own record of a run: its status.json, or Hydra's .hydra/ of a job whose
-    config has accutrain's trainer node."""
+    """Whether `directory` holds accutrain's own record of a run: its status.json, Hydra's .hydra/ of a job whose
+    config has accutrain's trainer node, or (a run trained in process, which writes no status.json) its config.yaml
+    beside accutrain's checkpoints."""
     if (directory / STATUS_FILE).is_file():
         return True
-    try:
-        text = (directory / ".hydra" / "config.yaml").read_text(errors="replace")
-    except OSError:
-        return False
-    return re.search(r"^trainer:", text, re.M) is not None and re.search(r"^micro_batch:", text, re.M) is not None
+    for config in (directory / ".hydra" / "config.yaml", directory / "config.yaml"):
+        try:
+            text = config.read_text(errors="replace")
+        except OSError:
+            continue
+        ours = re.search(r"^trainer:", text, re.M) is not None and re.search(r"^micro_batch:", text, re.M) is not None
+        if ours and (config.parent.name == ".hydra" or any((directory / "checkpoints").glob("step-*"))
+                     or (directory / "checkpoints" / "last.pt").exists()):
+            return True
+    return False
 
 
 def refuse_empty(value: str, key: str) -> None:

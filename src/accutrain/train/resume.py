@@ -94,9 +94,6 @@ def find_resume(cfg: DictConfig, run_dir: Path, passed: Optional[set[Path]] = No
 def restore(c: Components, path: Path) -> Progress:
     """Load a checkpoint into the run; refuse one from another model or another effective batch."""
     state = checkpoint.load(path, mmap=True)  # every rank maps the file; FSDP takes each rank's shard from it
-    if "optimizer" not in state and not state.get("sharded"):
-        raise UserError(f"{path} holds the weights for evaluation only (best.pt keeps no optimizer state): resume "
-                        "from last.pt or a step-*.pt of the same run")
     saved = state["plan"]
     schedule = c.plan.schedule.record() if c.plan.schedule else None
     if saved.get("schedule") != schedule:
