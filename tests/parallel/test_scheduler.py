@@ -15,7 +15,7 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.run.scheduler import PORTS, adopt_scheduler_world, first_host, slurm_world
 from conftest import (ONE_THREAD, RUN, TINY, assert_identical, assert_one_line_error, assert_same_weights, cli_command,
-                      final_weights, read_metrics, train_here)
+                      final_weights, read_metrics, train_here, wait_for_steps)
 
 UNEVEN = [*TINY, "data.size=117", "trainer.epochs=1", "trainer.grad_clip=0.5", "optim.weight_decay=1e-3"]
 
@@ -160,12 +160,7 @@ def test_a_preempted_two_task_job_is_requeued_once_and_ends_with_the_uninterrupt
     proc = subprocess.Popen([*cli_command(), "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
                              "hydra.launcher.timeout_min=10", *args, "+model.delay=0.03", "seed=0",
                              f"hydra.sweep.dir={sweep}"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        metrics = job / "metrics.jsonl"
-        if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= 4:
-            break
-        time.sleep(0.01)
+    wait_for_steps(job, 4, proc, timeout=180)
     job_id = next(p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.name[0].isdigit())
     pids = task_pids(job_id)
     assert sorted(pids) == [0, 1], pids

@@ -1,10 +1,12 @@
 """loss=mse|huber|bce|custom keep the promise: every split of the same effective batch — one device or two gloo
 ranks — ends with the big batch's weights, on windows with a short last micro-batch and an incomplete last window."""
+import sys
+
 import pytest
 import torch
 
-from conftest import (EXACT, TINY, assert_one_line_error, assert_same_weights, final_weights, read_metrics,
-                      train_here, train_run)
+from conftest import (EXACT, TINY, assert_one_line_error, assert_same_weights, final_weights, read_metrics, train_here,
+                      train_run)
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +31,7 @@ METRICS = {"mse": "val_rmse", "huber": "val_mae", "bce": "val_f1", "custom": "va
 def mylosses(tmp_path, monkeypatch):
     (tmp_path / "mylosses.py").write_text(CUSTOM_LOSS)
     monkeypatch.syspath_prepend(tmp_path)  # for the runs in this process; the CLI imports from its working directory
+    monkeypatch.delitem(sys.modules, "mylosses", raising=False)  # not another test's module of that name
     return tmp_path
 
 

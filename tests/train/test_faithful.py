@@ -1,5 +1,7 @@
 """Faithfulness: accutrain-check's verdicts and causes, the BatchNorm remedies, element-normalised losses."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,6 +224,7 @@ def test_check_covers_every_loss(compose, loss):
 def test_check_covers_a_custom_loss(compose, tmp_path, monkeypatch):
     (tmp_path / "mylosses.py").write_text("def cubic(output, target):\n    return (output - target).abs().pow(3)\n")
     monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(sys.modules, "mylosses", raising=False)  # not another test's module of that name
     args = ["debug=fast", "micro_batch=8", "accum=4", "loss=custom", "loss._target_=mylosses.cubic",
             "data.target=regression"]
     result = check(compose, *args, "model.hidden=[32]")
