@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -204,6 +205,16 @@ def start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
                             stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+
+
+def killed_at_step(tmp_path: Path, name: str, steps: int, *args: str) -> Path:
+    """`accutrain *args` in tmp_path/name, killed outright (SIGKILL) once metrics.jsonl holds `steps` steps; its run
+    directory."""
+    proc = start(tmp_path, name, *args)
+    wait_for_steps(tmp_path / name, steps, proc)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    return tmp_path / name
 
 
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -5,7 +5,6 @@ the built-in byte tokenizer."""
 import json
 import random
 import re
-import signal
 
 import pytest
 import torch
@@ -18,8 +17,8 @@ from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.errors import UserError
 from accutrain.models.factories import build_model
-from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
-                      start, train_here, wait_for_steps)
+from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, final_weights, killed_at_step,
+                      read_metrics, train_here)
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,10 +140,7 @@ def test_sigkill_and_resume_is_bit_identical(files, tmp_path, monkeypatch):
             if a not in ("model=hf_causal_lm", "model.dropout=0")]
     args = ["model=custom", "model._target_=slow_hf.net", *args]
     reference, _ = train_here(tmp_path, "reference", *args)
-    proc = start(tmp_path, "killed", *args, "+model.delay=0.05")
-    wait_for_steps(tmp_path / "killed", 4, proc)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    killed_at_step(tmp_path, "killed", 4, *args, "+model.delay=0.05")
     resumed, log = train_here(tmp_path, "killed", *args, "resume=auto")
     assert "resumed from" in log
     assert_identical(final_weights(resumed), final_weights(reference))

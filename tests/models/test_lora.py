@@ -2,18 +2,17 @@
 only the adapter trained and checkpointed, the same adapter weights under any split and on 2 ranks, a SIGKILL
 resumed bit-identically (the frozen base rebuilt from the factory and the seed), the exported adapter loading with
 PEFT onto the base model, the merged export, and the bad values in one line."""
-import signal
 
 import hydra
 import pytest
+import test_hf
 import torch
 from omegaconf import OmegaConf
 
 from accutrain.errors import UserError
 from accutrain.seeding import seed_everything
 from conftest import (assert_identical, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, run_cli, start, train_here, wait_for_steps)
-import test_hf
+                      final_weights, killed_at_step, read_metrics, run_cli, train_here)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -122,10 +121,7 @@ def test_sigkill_with_adapters_resumes_bit_identically(files, tmp_path, monkeypa
     args = ["model=custom", "model._target_=slow_hf.net", "+model.adapter=lora", "+model.lora={r: 4, dropout: 0.1}",
             *args]
     reference, _ = train_here(tmp_path, "reference", *args)
-    proc = start(tmp_path, "killed", *args, "+model.delay=0.05")
-    wait_for_steps(tmp_path / "killed", 4, proc)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    killed_at_step(tmp_path, "killed", 4, *args, "+model.delay=0.05")
     resumed, log = train_here(tmp_path, "killed", *args, "resume=auto")
     assert "resumed from" in log
     assert_identical(final_weights(resumed), final_weights(reference))

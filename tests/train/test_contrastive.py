@@ -1,13 +1,12 @@
 """loss=contrastive keeps the promise: micro_batch=8 accum=8, and devices=2 micro_batch=8 accum=4, end with the
 weights of micro_batch=64 (AdamW, clipping, float32, no dropout), on windows with a short tail — while the naive
 per-micro-batch loss (loss.window=false) does not; bad combinations are one line naming the key."""
-import signal
 
 import pytest
 import torch
 
-from conftest import (TINY, TINY_DATA, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
-                      start, train_here, train_run, wait_for_steps)
+from conftest import (TINY, TINY_DATA, assert_identical, assert_one_line_user_error, final_weights, killed_at_step,
+                      read_metrics, train_here, train_run)
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +79,7 @@ def test_a_sigkill_mid_run_resumes_bit_identical_with_dropout_replayed(slow):
             "augment.crop=pad", "augment.padding=1", "data.size=117", "trainer.epochs=3", "micro_batch=8", "accum=4",
             "trainer.checkpoint_every=1", "optim=adamw", "loss.learn_temperature=true"]
     reference, _ = train_here(slow, "reference", *args)
-    proc = start(slow, "killed", *args, "+model.delay=0.02")
-    wait_for_steps(slow / "killed", 5, proc)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    killed_at_step(slow, "killed", 5, *args, "+model.delay=0.02")
     resumed, out = train_run(slow, "killed", *args, "resume=auto")
     assert "resumed from" in out.stderr
     assert_identical(final_weights(resumed), final_weights(reference))
