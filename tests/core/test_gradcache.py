@@ -32,10 +32,10 @@ def zero(model, loss):
         loss.head.logit_scale.grad = None
 
 
-def two_pass(model, loss, x, y, size):
+def two_pass(model, loss, x, y, size, device=CPU):
     zero(model, loss)
     chunks = [Batch(a, b) for a, b in zip(x.split(size), y.split(size))]
-    total = accumulate_window_loss(model, chunks, len(y), CPU, loss)
+    total = accumulate_window_loss(model, chunks, len(y), device, loss)
     return grads(model, loss), total
 
 
@@ -68,14 +68,18 @@ def test_naive_per_micro_batch_loss_is_not_the_big_batchs():
     assert relative > 0.05
 
 
-def test_dropout_is_replayed_the_second_pass_sees_the_first_pass_masks():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_dropout_is_replayed_the_second_pass_sees_the_first_pass_masks(device):
     """With dropout on, the window's gradient equals ONE differentiable pass over the same micro-batches drawing
-    the same masks (forwarded in turn from the same random state)."""
-    model, (x, y) = encoder(dropout=0.5), window()
+    the same masks (forwarded in turn from the same random state; on a GPU, CUDA's generator's)."""
+    device = torch.device(device)
+    model, (x, y) = encoder(dropout=0.5).to(device), window()
+    x, y = x.to(device), y.to(device)
     loss = ContrastiveLoss(0.1)
+    state = torch.get_rng_state if device.type == "cpu" else torch.cuda.get_rng_state
     torch.manual_seed(7)
-    got, _ = two_pass(model, loss, x, y, 8)
-    after = torch.get_rng_state()
+    got, _ = two_pass(model, loss, x, y, 8, device)
+    after = state()
 
     zero(model, loss)
     torch.manual_seed(7)
@@ -83,8 +87,8 @@ def test_dropout_is_replayed_the_second_pass_sees_the_first_pass_masks():
     (loss.per_sample(out).sum() / len(y)).backward()
     for g, e in zip(got, grads(model, loss)):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-13)
-    assert torch.equal(torch.get_rng_state(), after)  # the stream goes on as if each micro-batch ran once
+    assert torch.equal(state(), after)  # the stream goes on as if each micro-batch ran once
 
     torch.manual_seed(8)  # other masks: another gradient (the test is not blind to dropout)
-    other, _ = two_pass(model, loss, x, y, 8)
+    other, _ = two_pass(model, loss, x, y, 8, device)
     assert not torch.allclose(other[0], got[0])
