@@ -159,7 +159,8 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
     if example is None:
         example = Batch(torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
-    example = as_batch(example)
+    placed = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    example = as_batch(example) if placed is None else as_batch(example).to(placed)  # a 4-bit model: on the GPU
     name = model_name(cfg)
     model.eval()
     check_output(model, example, num_classes, name)
