@@ -64,6 +64,8 @@ def test_naive_window_false_differs_measurably(tmp_path):
     (["loss=contrastive", "augment.views=2", "augment.crop=pad", "model=resnet18"],
      ["loss=contrastive with BatchNorm", "batchnorm.convert=group"]),
     (["loss=contrastive", "augment.views=2", "augment.crop=pad", "loss.temperature=0"], ["loss.temperature=0"]),
+    (["loss=contrastive", "augment.views=2", "augment.crop=pad", "trainer.noise_scale=true", "accum=2"],
+     ["loss=contrastive cannot be combined with trainer.noise_scale=true", "trainer.noise_scale=false"]),
 ])
 def test_bad_combinations_are_one_line(tmp_path, args, fragments):
     from accutrain.errors import UserError

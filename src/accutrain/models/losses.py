@@ -67,6 +67,8 @@ def attach(loss: Loss, model: nn.Module, cfg: DictConfig) -> None:
          "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
         (cfg.augment.mixup_alpha > 0 or cfg.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",
          "set them to 0: pairs are not mixed"),
+        (cfg.trainer.noise_scale, "trainer.noise_scale=true", "a micro-batch's gradient of a window-level loss is "
+         "not an estimate of the window's (its negatives come from the whole window): set trainer.noise_scale=false"),
     ]
     for bad, key, remedy in refused:
         if bad:
