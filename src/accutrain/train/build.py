@@ -63,6 +63,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
     loss = build_loss(cfg.loss, model)  # loss=: summed per term, |W| counted from the targets
     check_targets(loss, batches([datasets.train[0]]).target, cfg.data._target_)
+    if getattr(loss, "per_sequence", False) and "document_ids" in getattr(batches([datasets.train[0]]).inputs, "keys",
+                                                                          dict)():
+        raise UserError("loss.normalize=sequences averages each sample's tokens, and data.packing=true makes a sample "
+                        "a block of several documents: use data.packing=false with loss.normalize=sequences")
     attach(loss, model, cfg)  # a window-level loss: its refusals, its learnt temperature
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
     if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
@@ -173,6 +177,12 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, 
     example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     if cfg.augment.views > 1:  # pairs of views: the model embeds one view at a time
         example = dataclasses.replace(example, inputs=example.inputs[:, 0])
+    target = str(model_cfg.get("_target_"))
+    if isinstance(example.inputs, dict) and "document_ids" in example.inputs and \
+            target.startswith("accutrain.models.") and target != "accutrain.models.hf.causal_lm":
+        raise UserError(f"data.packing=true keeps each packed document's positions and attention to itself, which "
+                        f"model {models.model_name(model_cfg)} cannot take (document_ids): use model=hf_causal_lm, or "
+                        "data.packing=concat (attention crossing documents)")
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     norms.convert_norm(model, cfg.batchnorm.convert, cfg.batchnorm.groups)
     if cfg.trainer.activation_checkpointing:
