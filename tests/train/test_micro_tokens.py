@@ -13,7 +13,7 @@ from accutrain.core.windows import WindowSampler
 from accutrain.errors import UserError
 from accutrain.train.build import build
 from accutrain.dist import World
-from conftest import assert_one_line_user_error, final_weights, read_metrics, train_here
+from conftest import assert_identical, assert_one_line_user_error, final_weights, read_metrics, train_here
 
 GPT2 = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "+model.config.n_layer=2", "+model.config.n_head=2",
         "+model.config.n_embd=32", "+model.config.n_positions=64", "model.dropout=0"]
@@ -58,14 +58,19 @@ def lm_args(tmp_path, *args):
     if not path.exists():
         path.write_text("\n".join(" ".join(r.choice(WORDS) for _ in range(r.randint(1, 12))) for _ in range(41)))
     return [*GPT2, "data=text", f"data.train={path}", "data.val_fraction=0.1", "data.max_length=64", "optim=sgd",
-            "optim.lr=0.3", "optim.momentum=0", "trainer.epochs=2", "trainer.progress=false", *args]
+            "optim.lr=0.3", "optim.momentum=0", "trainer.epochs=1", "trainer.progress=false", *args]
 
 
 @pytest.mark.slow
 def test_micro_tokens_ends_with_the_weights_of_micro_batch_runs_of_the_same_windows(tmp_path):
     pytest.importorskip("transformers")
     acc, _ = train_here(tmp_path, "acc", *lm_args(tmp_path, "micro_batch=4", "accum=4"))
-    tok, log = train_here(tmp_path, "tok", *lm_args(tmp_path, "micro_tokens=160", "global_batch=16"))
+    tok, log = train_here(tmp_path, "tok", *lm_args(tmp_path, "micro_tokens=160", "global_batch=16",
+                                                    "trainer.checkpoint_every=1", "trainer.keep_checkpoints=8"))
+    middle = tok / "checkpoints" / "step-00000002.pt"  # mid-epoch: the next window is the epoch's third
+    resumed, _ = train_here(tmp_path, "resumed", *lm_args(tmp_path, "micro_tokens=160", "global_batch=16",
+                                                          f"resume={middle}"))
+    assert_identical(final_weights(resumed), final_weights(tok))
     two, _ = train_here(tmp_path, "two", *lm_args(tmp_path, "devices=2", "micro_batch=4", "accum=2",
                                                   "micro_tokens=160"))
     reference = final_weights(acc)
