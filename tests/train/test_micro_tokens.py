@@ -120,3 +120,21 @@ def test_contrastive_refuses_micro_tokens(compose):
     with pytest.raises(UserError) as info:
         attach(build_loss(cfg.loss, torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2), cfg)
     assert_one_line_user_error(info.value, "loss=contrastive cannot be combined with micro_tokens=64")
+
+
+def test_fixed_width_sequences_are_cut_as_micro_batch_budget_over_width_with_no_padding_figures():
+    from accutrain.core.batches import BatchFormat
+    from accutrain.data.datasets import sequences
+    from accutrain.data.lengths import token_lengths
+
+    data = sequences(40, 8, vocab=11, min_length=4, max_length=16, seed=0)
+    tokens = token_lengths(data, BatchFormat(), 50)  # 3 rows of 16 tokens fit 50
+    plan = make_plan(micro_batch=21, accum=1, devices=1, global_batch=None, train_size=40,
+                     last_window=LastWindow.step, epochs=1, max_steps=None, micro_tokens=50)
+    budget = WindowSampler(plan, 0, tokens=tokens)
+    plain = WindowSampler(make_plan(micro_batch=3, accum=7, devices=1, global_batch=None, train_size=40,
+                                    last_window=LastWindow.step, epochs=1, max_steps=None), 0)
+    window = next(budget.windows())
+    assert [list(m) for m in window] == [list(m) for m in next(plain.windows())]  # equal lengths keep their order
+    assert [len(m) for m in window] == [3] * 7 and budget.padding(window[0].window) is None
+

@@ -117,7 +117,7 @@ class BatchPlan:
         windows = f"{self.train_size // self.effective} windows of {self.effective}"
         split = (f"micro_batch {self.micro_batch} × accum {self.accum} × devices {self.devices}"
                  if self.micro_tokens is None else
-                 f"{self.micro_batch * self.accum} per device × devices {self.devices}, each device's share cut into "
+                 f"{self.micro_batch * self.accum} per device × devices {self.devices}, the window cut into "
                  f"micro-batches of at most {self.micro_tokens} padded tokens (micro_tokens; longest samples first)")
         if self.tail and self.last_window is LastWindow.step:
             windows += f" + 1 of {self.tail} samples"

@@ -18,10 +18,12 @@ import torch
 
 class TokenLengths:
     """Each training sample's length in tokens (before padding), how a micro-batch pads them (to its longest row,
-    or to `padded_to`), and the budget `micro_tokens` (None: micro-batches of micro_batch samples)."""
+    or to `padded_to`), and the budget `micro_tokens` (None: micro-batches of micro_batch samples). `real`: the
+    lengths are the samples' real tokens (False for samples that come padded: no padding figures)."""
 
-    def __init__(self, lengths: torch.Tensor, padded_to: Optional[int] = None, budget: Optional[int] = None) -> None:
-        self.lengths, self.padded_to, self.budget = lengths.to(torch.int64), padded_to, budget
+    def __init__(self, lengths: torch.Tensor, padded_to: Optional[int] = None, budget: Optional[int] = None,
+                 real: bool = True) -> None:
+        self.lengths, self.padded_to, self.budget, self.real = lengths.to(torch.int64), padded_to, budget, real
 
     @property
     def longest(self) -> int:

@@ -108,7 +108,7 @@ class WindowSampler(Sampler[MicroBatch]):
     def padding(self, window: Window) -> Optional[tuple[int, int]]:
         """(tokens, padded tokens) of the whole window's micro-batches, every rank's (token data only; before any
         out-of-memory re-split)."""
-        if self.tokens is None:
+        if self.tokens is None or not self.tokens.real:
             return None
         samples = self.samples_of(window)
         if self.budget:

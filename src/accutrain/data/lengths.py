@@ -14,7 +14,8 @@ from accutrain.errors import UserError
 
 def token_lengths(datasets: Datasets, batches: BatchFormat, micro_tokens: Optional[int]) -> Optional[TokenLengths]:
     """Token data's lengths: items padded per micro-batch (PadCollate: data=text, data=hf) by their longest 1-D
-    tensor, fixed-width token sequences (data=sequences, already padded) by their width; None for other data,
+    tensor, fixed-width token sequences (data=sequences, which come padded: no padding figures) by their width;
+    None for other data,
     where micro_tokens is one line, as is a budget below the longest sample."""
     train, collate = datasets.train, batches.collate
     first = train[0]
@@ -24,7 +25,7 @@ def token_lengths(datasets: Datasets, batches: BatchFormat, micro_tokens: Option
         tokens = TokenLengths(lengths, collate.length, micro_tokens)
     elif len(datasets.sample_shape) == 1 and isinstance(first, (tuple, list)) and not first[0].is_floating_point():
         tokens = TokenLengths(torch.full((len(train),), datasets.sample_shape[0]), datasets.sample_shape[0],
-                              micro_tokens)
+                              micro_tokens, real=False)  # padded already: the budget counts rows × width
     elif micro_tokens is not None:
         raise UserError(f"micro_tokens={micro_tokens} cuts micro-batches by tokens; this data's samples are not "
                         f"token sequences (sample shape {tuple(datasets.sample_shape)}): use micro_batch=N")

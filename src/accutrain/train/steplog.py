@@ -66,7 +66,7 @@ class StepLog:
             self.tokens += terms
             record.update(elements=terms, tokens_per_s=terms / seconds,
                           ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
-        padding = c.sampler.padding(window) if c.sampler.tokens is not None else None
+        padding = c.sampler.padding(window)
         if padding is not None:  # token data: the tokens the model read, and the share of padding its rows added
             record.update(input_tokens=padding[0], input_tokens_per_s=padding[0] / seconds,
                           pad_fraction=1 - padding[0] / padding[1] if padding[1] else 0.0)
