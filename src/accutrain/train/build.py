@@ -63,8 +63,8 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
     loss = build_loss(cfg.loss, model)  # loss=: summed per term, |W| counted from the targets
     check_targets(loss, batches([datasets.train[0]]).target, cfg.data._target_)
-    if getattr(loss, "per_sequence", False) and "document_ids" in getattr(batches([datasets.train[0]]).inputs, "keys",
-                                                                          dict)():
+    first_inputs = batches([datasets.train[0]]).inputs
+    if getattr(loss, "per_sequence", False) and isinstance(first_inputs, dict) and "document_ids" in first_inputs:
         raise UserError("loss.normalize=sequences averages each sample's tokens, and data.packing=true makes a sample "
                         "a block of several documents: use data.packing=false with loss.normalize=sequences")
     attach(loss, model, cfg)  # a window-level loss: its refusals, its learnt temperature
