@@ -242,7 +242,7 @@ def test_text_data_masks_prompts_packs_and_holds_out_by_seed(tmp_path):
     other = text_data(str(path), packing=False, **{**common, "seed": 5})
     assert [x["input_ids"].tolist() for x in again.val] == [x["input_ids"].tolist() for x in data.val]
     assert [x["input_ids"].tolist() for x in other.val] != [x["input_ids"].tolist() for x in data.val]
-    packed = text_data(str(path), packing=True, **common)
+    packed = text_data(str(path), packing="concat", **common)  # the samples end to end, cut every 8 tokens
     assert all(len(x["input_ids"]) == 8 for x in list(packed.train)[:-1]) and len(packed.train) == 7  # 56 tokens
     assert data.num_classes == 259 and data.extra["pad_token_id"] == 256
 

@@ -282,7 +282,8 @@ config groups (group=option{experiment}):
 
 the config (set any key: trainer.epochs=10; keys of your own model or data: model=custom +model.depth=4):
 {config}
-see also: accutrain-check [key=value ...] (is the accumulation exact?), accutrain-report DIR (summaries)"""
+see also: accutrain-check [key=value ...] (is the accumulation exact? --show-sample[=N]: which tokens of a
+training sample the loss counts), accutrain-report DIR (summaries)"""
 
 
 def print_help(hydra: Any, args: Namespace, prog: str) -> None:

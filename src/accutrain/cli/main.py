@@ -168,6 +168,10 @@ def _check(cfg: DictConfig) -> None:
     from accutrain.train.check import components_for_check, run_check
 
     try:
+        if show_sample is not None:  # --show-sample: what the loss counts of one sample; no model, no check
+            from accutrain.train.show_sample import show_sample as render
+            print(render(cfg, show_sample))
+            return
         result = run_check(components_for_check(cfg))
     except UserError as e:
         print(f"accutrain-check: error: {one_line(e)}", file=sys.stderr)
@@ -218,10 +222,30 @@ def interruptible(prog: str) -> Callable[[Callable[[], None]], Callable[[], None
     return wrap
 
 
+show_sample: Optional[int] = None  # accutrain-check --show-sample[=N]: the training sample to show
+
+
+def take_show_sample(argv: list[str]) -> Optional[int]:
+    """--show-sample[=N] taken out of `argv` (accutrain-check's own option): N, 0 without a value, or None."""
+    found = None
+    for arg in [a for a in argv if a == "--show-sample" or a.startswith("--show-sample=")]:
+        argv.remove(arg)
+        value = arg.partition("=")[2] or "0"
+        if not value.isdigit():
+            print(f"accutrain-check: error: {arg}: expected --show-sample or --show-sample=N, N a training sample's "
+                  "index (0, 1, …)", file=sys.stderr)
+            sys.exit(2)
+        found = int(value)
+    return found
+
+
 @interruptible("accutrain-check")
 def check_main() -> None:
-    """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report."""
+    """`accutrain-check` takes accutrain's overrides; it writes no run directory and prints its report (with
+    --show-sample[=N], training sample N with the tokens the loss counts marked, instead)."""
+    global show_sample
     import_from_working_directory()
+    show_sample = take_show_sample(sys.argv)
     before_hydra("accutrain-check", run=False)
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                  "hydra/hydra_logging=disabled"]

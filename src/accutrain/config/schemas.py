@@ -149,7 +149,7 @@ class TextData(DataConfig):
     val_fraction: float = 0.1
     tokenizer: str = "bytes"  # bytes (built in: UTF-8 bytes, no download) | a Hugging Face tokenizer name or path
     max_length: int = 512  # tokens per sample (longer ones are truncated), or per block with packing
-    packing: bool = False  # concatenate the samples (each ending with EOS) and cut them into max_length blocks
+    packing: Any = False  # true: whole documents per block, each attending to itself | concat | false
     padding: str = "longest"  # longest: a micro-batch is padded to its own longest sample | max_length
     text_field: str = "text"
     prompt_field: str = "prompt"  # with response_field: the prompt is masked out of the loss
@@ -180,7 +180,7 @@ class HFData(DataConfig):
     val_split: str = "validation"  # … and that val reads
     tokenizer: str = "bytes"  # bytes (built in, with a simple chat template) | a Hugging Face tokenizer name or path
     max_length: int = 512
-    packing: bool = False
+    packing: Any = False  # as data=text's
     padding: str = "longest"
     columns: HFColumns = field(default_factory=HFColumns)
     cache_dir: Optional[str] = None  # where datasets caches what it reads and tokenizes; null: its default

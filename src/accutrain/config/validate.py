@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from accutrain.config.validate_values import check_values
 from accutrain.core.monitor import METRICS
 from accutrain.core.options import Beta2Scaling, LRScaling
-from accutrain.core.plan import derive_accum
+from accutrain.core.plan import derive_accum, window_split
 from accutrain.errors import UserError
 from accutrain.signals import UNCATCHABLE
 
@@ -44,6 +44,8 @@ def validate(cfg: DictConfig) -> None:
     positive_int(cfg, "accum", allow=(None,))
     positive_int(cfg, "global_batch", allow=(None,))
     positive_int(cfg, "devices", allow=("auto",))
+    micro_tokens = cfg.get("micro_tokens")
+    positive_int(cfg, "micro_tokens", allow=(None,))
     t = cfg.trainer
     if t.epochs is None and t.max_steps is None:
         raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")
@@ -69,8 +71,12 @@ def validate(cfg: DictConfig) -> None:
                         "largest micro-batch that fits")
     if cfg.micro_batch == "auto" and cfg.accum is not None:
         raise UserError(f"micro_batch=auto derives accum from global_batch: drop accum={cfg.accum}")
+    if micro_tokens is not None and (cfg.micro_batch == "auto" or cfg.get("batch_schedule") is not None):
+        key = "micro_batch=auto" if cfg.micro_batch == "auto" else "batch_schedule"
+        raise UserError(f"micro_tokens={micro_tokens} cuts each window by a token budget; {key} sizes micro-batches "
+                        "by samples: use one of them (micro_tokens with global_batch=N, or micro_batch × accum)")
     if cfg.micro_batch != "auto" and cfg.devices != "auto" and cfg.get("batch_schedule") is None:
-        derive_accum(cfg.micro_batch, cfg.devices, cfg.accum, cfg.global_batch)
+        window_split(cfg.micro_batch, cfg.devices, cfg.accum, cfg.global_batch, micro_tokens)
     if t.accum_dtype not in (None, "float32"):
         raise UserError(f"trainer.accum_dtype={t.accum_dtype} is not valid: expected float32 or null")
     if not t.dist_timeout_s > 0:
@@ -149,7 +155,7 @@ def validate_batch_following(cfg: DictConfig) -> None:
         raise UserError(f"trainer.noise_scale_decay={t.noise_scale_decay} is not valid: expected 0 <= decay < 1 (e.g. "
                         "0.95)")
     if t.noise_scale and cfg.devices == 1 and cfg.micro_batch != "auto" and cfg.get("batch_schedule") is None and \
-            derive_accum(cfg.micro_batch, 1, cfg.accum, cfg.global_batch) == 1:
+            cfg.get("micro_tokens") is None and derive_accum(cfg.micro_batch, 1, cfg.accum, cfg.global_batch) == 1:
         raise UserError(NOISE_SCALE_NEEDS_TWO)
 
 

@@ -21,6 +21,7 @@ class BatchPlan:
     epochs: Optional[int]
     max_steps: Optional[int]
     schedule: Optional[BatchSchedule] = None  # the effective batch by samples seen; None: one fixed batch
+    micro_tokens: Optional[int] = None  # the window cut into micro-batches of at most this many padded tokens
 
     @property
     def effective(self) -> int:
@@ -99,7 +100,7 @@ class BatchPlan:
         return dict(effective=self.effective, micro_batch=self.micro_batch, accum=self.accum, devices=self.devices,
                     train_size=self.train_size, steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
                     last_window=self.last_window.value,
-                    schedule=self.schedule.record() if self.schedule else None)
+                    schedule=self.schedule.record() if self.schedule else None, micro_tokens=self.micro_tokens)
 
     def describe(self) -> list[str]:
         """The start-up lines: the arithmetic, then the optimizer steps per epoch and in total."""
@@ -114,13 +115,16 @@ class BatchPlan:
                     f"{self.total_epochs} {epochs} (windows per epoch: "
                     f"{', '.join(str(len(sizes)) for sizes in self._layout[:self.total_epochs])})"]
         windows = f"{self.train_size // self.effective} windows of {self.effective}"
+        split = (f"micro_batch {self.micro_batch} × accum {self.accum} × devices {self.devices}"
+                 if self.micro_tokens is None else
+                 f"{self.micro_batch * self.accum} per device × devices {self.devices}, the window cut into "
+                 f"micro-batches of at most {self.micro_tokens} padded tokens (micro_tokens; longest samples first)")
         if self.tail and self.last_window is LastWindow.step:
             windows += f" + 1 of {self.tail} samples"
         elif self.tail:
             windows += f"; the last {self.tail} samples of each epoch dropped (trainer.last_window=drop)"
         return [
-            f"effective batch {self.effective} = micro_batch {self.micro_batch} × accum {self.accum} "
-            f"× devices {self.devices}",
+            f"effective batch {self.effective} = {split}",
             f"{self.train_size} training samples: {self.steps_per_epoch} optimizer steps per epoch ({windows}), "
             f"{self.total_steps} in total over {self.total_epochs} {epochs}",
         ]
@@ -145,6 +149,21 @@ def derive_accum(micro_batch: int, devices: int, accum: Optional[int], global_ba
     return derived
 
 
+def window_split(micro_batch: int, devices: int, accum: Optional[int], global_batch: Optional[int],
+                 micro_tokens: Optional[int]) -> tuple[int, int]:
+    """(micro_batch, accum) of the plan. With micro_tokens the window is global_batch samples (a multiple of
+    devices; micro_batch and accum not used) or micro_batch × accum × devices, which the budget then cuts."""
+    if micro_tokens is None or global_batch is None:
+        return micro_batch, derive_accum(micro_batch, devices, accum, global_batch)
+    if global_batch % devices:
+        raise UserError(f"global_batch={global_batch} is not a multiple of devices {devices}: with "
+                        f"micro_tokens={micro_tokens} each device takes global_batch / devices samples of a window")
+    if accum is not None:
+        raise UserError(f"micro_tokens={micro_tokens} with global_batch={global_batch}: the window is global_batch "
+                        f"samples cut by tokens; drop accum={accum}")
+    return global_batch // devices, 1
+
+
 def make_plan(
     *,
     micro_batch: int,
@@ -156,19 +175,22 @@ def make_plan(
     epochs: Optional[int],
     max_steps: Optional[int],
     schedule: Any = None,
+    micro_tokens: Optional[int] = None,
 ) -> BatchPlan:
     """The plan for a fixed effective batch (accum or global_batch), or for `schedule` (the batch_schedule config)."""
     resolved = resolve(schedule, micro_batch * devices, train_size, epochs) if schedule is not None else None
+    if resolved is None:
+        micro_batch, accum = window_split(micro_batch, devices, accum, global_batch, micro_tokens)
     plan = BatchPlan(
         micro_batch=micro_batch,
-        accum=(resolved.batch[0] // (micro_batch * devices) if resolved else
-               derive_accum(micro_batch, devices, accum, global_batch)),
+        accum=resolved.batch[0] // (micro_batch * devices) if resolved else accum,
         devices=devices,
         train_size=train_size,
         last_window=last_window,
         epochs=epochs,
         max_steps=max_steps,
         schedule=resolved,
+        micro_tokens=micro_tokens,
     )
     if plan.total_steps == 0 or plan.steps_per_epoch == 0:
         raise UserError(

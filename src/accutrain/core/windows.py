@@ -20,6 +20,7 @@ from accutrain.core import samples
 from accutrain.core.batches import Batch, BatchFormat
 from accutrain.core.mixing import Mix, Mixer
 from accutrain.core.plan import BatchPlan
+from accutrain.core.token_budget import TokenLengths
 from accutrain.errors import UserError
 
 
@@ -66,11 +67,15 @@ def rank_share(samples: list[int], micro_batch: int, rank: int, world: int) -> l
 
 
 class WindowSampler(Sampler[MicroBatch]):
-    """Batch sampler for a DataLoader: this rank's micro-batches, window after window, empty ones included."""
+    """Batch sampler for a DataLoader: this rank's micro-batches, window after window, empty ones included. With
+    token data, `tokens` knows each sample's length: its budget (micro_tokens) cuts the windows, and padding()
+    says what a window's micro-batches pad."""
 
-    def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1, mixer: Optional[Mixer] = None
-                 ) -> None:
+    def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1, mixer: Optional[Mixer] = None,
+                 tokens: Optional[TokenLengths] = None) -> None:
         self.plan, self.seed, self.rank, self.world, self.mixer = plan, seed, rank, world, mixer
+        self.tokens = tokens
+        self.budget = tokens is not None and tokens.budget is not None
         self.epoch, self.start = 0, 0
         self._orders: dict[int, tuple[torch.Tensor, list[int]]] = {}  # epoch → (permutation, its windows' starts)
 
@@ -89,16 +94,36 @@ class WindowSampler(Sampler[MicroBatch]):
                             self.plan.batch_at(seen + starts[index]))
             yield self.cut(window, samples, share)
 
-    def share(self, items: list[Any]) -> list[list[Any]]:
-        """This rank's micro-batches of a window's `items` (its samples, or their mixes: cut alike)."""
-        return rank_share(items, self.plan.micro_batch, self.rank, self.world)
+    def share(self, samples: list[int], items: Optional[list[Any]] = None) -> list[list[Any]]:
+        """This rank's micro-batches of a window's `samples` — or of `items` (their mixes), cut alike: consecutive
+        micro_batch samples, or the token budget's micro-batches (core/token_budget.py), dealt as rank_share does."""
+        items = samples if items is None else items
+        if not self.budget:
+            return rank_share(items, self.plan.micro_batch, self.rank, self.world)
+        chunks = self.tokens.cut(samples)
+        steps = -(-len(chunks) // self.world)
+        return [[items[p] for p in chunks[k]] if k < len(chunks) else []
+                for k in range(self.rank, steps * self.world, self.world)]
+
+    def padding(self, window: Window) -> Optional[tuple[int, int]]:
+        """(tokens, padded tokens) of the whole window's micro-batches, every rank's (token data only; before any
+        out-of-memory re-split)."""
+        if self.tokens is None or not self.tokens.real:
+            return None
+        samples = self.samples_of(window)
+        if self.budget:
+            chunks = [[samples[p] for p in chunk] for chunk in self.tokens.cut(samples)]
+        else:
+            size = self.plan.micro_batch
+            chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
+        return self.tokens.padding(chunks)
 
     def cut(self, window: Window, samples: list[int], share: list[list[int]]) -> list[MicroBatch]:
         """This rank's `share` of the window's `samples` as micro-batches, with their mixes."""
         if self.mixer is None:
             return [MicroBatch(indices, window) for indices in share]
         # the whole window's draws, cut like its samples: every rank knows every partner
-        mixes = self.share(self.mixer.plan(window.epoch, window.index, samples))
+        mixes = self.share(samples, self.mixer.plan(window.epoch, window.index, samples))
         return [MicroBatch(indices, window, mix) for indices, mix in zip(share, mixes)]
 
     def order(self, epoch: int) -> tuple[torch.Tensor, list[int]]:
@@ -134,6 +159,10 @@ class WindowSampler(Sampler[MicroBatch]):
 
     def __len__(self) -> int:
         """This rank's micro-batches from the start window to the end of the epoch (empty ones included)."""
+        if self.budget:
+            order, starts = self.order(self.epoch)
+            return sum(-(-len(self.tokens.cut(order[starts[i] : starts[i + 1]].tolist())) // self.world)
+                       for i in range(self.start, len(starts) - 1))
         sizes = self.plan.window_sizes(self.epoch)[self.start :]
         return sum(math.ceil(math.ceil(size / self.plan.micro_batch) / self.world) for size in sizes)
 

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from accutrain.data.chat import encode_chat
 from accutrain.data.datasets import Datasets
-from accutrain.data.text import as_items, check_lengths, class_index, encode, hold_out, pack, tokenized_datasets
+from accutrain.data.packing import describe, pack, packing_mode, packing_name
+from accutrain.data.text import as_items, check_lengths, class_index, encode, hold_out, tokenized_datasets
 from accutrain.data.tokenizer import load_tokenizer
 from accutrain.errors import UserError
 
@@ -92,12 +93,13 @@ def tokenize(batch: dict[str, list], tok: Any, kind: str, roles: dict[str, str],
 
 
 def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, split: str = "train",
-            val_split: str = "validation", tokenizer: str = "bytes", max_length: int = 512, packing: bool = False,
+            val_split: str = "validation", tokenizer: str = "bytes", max_length: int = 512, packing: Any = False,
             padding: str = "longest", columns: Optional[dict] = None, cache_dir: Optional[str] = None,
             seed: int = 0, ignore_index: int = -100) -> Datasets:
     """data=hf: `train` (and `val`, else `val_fraction` of `train` held out by the seed) read with `datasets`,
     tokenized once (cached), as language modelling, prompt/response, chat or sequence-classification items."""
     check_lengths(max_length, padding)
+    packing = packing_mode(packing)
     roles = {role: role for role in ROLES} | {k: v for k, v in dict(columns or {}).items() if v is not None}
     unknown = sorted(set(roles) - set(ROLES))
     if unknown:
@@ -111,7 +113,7 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
         source, held = source.select(kept), source.select(out)
     kind = task(source.column_names, roles, train)
     if packing and kind == "classes":
-        raise UserError(f"data.packing=true packs language-modelling samples; these records carry labels "
+        raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry labels "
                         f"(data.columns.label={roles['label']})")
     tok = load_tokenizer(tokenizer)
     splits, names = [], None
@@ -129,10 +131,10 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
                              batched=True, remove_columns=part.column_names)
         samples = list(zip(tokenized["input_ids"], tokenized["labels"]))
         if packing:
-            samples = pack(samples, max_length)
+            samples = pack(samples, max_length, packing, ignore_index)
         splits.append(as_items(samples, classes, max_length))
     what = {"chat": "chat, the loss on the assistant's tokens", "pairs": "prompt/response",
             "text": "language modelling", "classes": f"{len(names or [])} classes"}[kind]
     return tokenized_datasets(splits, tok, names, max_length, padding, ignore_index,
-                              f"hf {train} ({what}{', packed' if packing else ''}; tokenizer {tokenizer}, "
+                              f"hf {train} ({what}{describe(packing)}; tokenizer {tokenizer}, "
                               f"max_length {max_length})")

@@ -2,7 +2,7 @@
 
 - Language modelling: labels = input_ids (the model's convention; the loss shifts them, loss.shift_labels), the
   sample ending with the tokenizer's end-of-sequence token; prompt/response records mask the prompt out of the
-  loss (its labels are loss.ignore_index). `packing` concatenates the samples and cuts blocks of max_length.
+  loss (its labels are loss.ignore_index). `packing` packs the samples into blocks of max_length (data/packing.py).
 - Sequence classification: records carrying `label_field` (an integer class, or a name: classes are the sorted
   names of the training file); the label is the sample's target.
 Micro-batches are padded to their own longest sample (PadCollate), so the tokens a window counts are exact.
@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from accutrain.core.batches import PadCollate
 from accutrain.data.datasets import Datasets
+from accutrain.data.packing import describe, pack, packing_mode, packing_name
 from accutrain.data.tokenizer import load_tokenizer, pad_id
 from accutrain.errors import UserError
 from accutrain.seeding import generator
@@ -153,29 +154,25 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def pack(samples: list[tuple[list[int], list[int]]], length: int) -> list[tuple[list[int], list[int]]]:
-    """The samples end to end, cut into blocks of `length` tokens (the last one shorter; none under 2 tokens)."""
-    ids = [t for sample, _ in samples for t in sample]
-    labels = [t for _, sample_labels in samples for t in sample_labels]
-    return [(ids[i : i + length], labels[i : i + length]) for i in range(0, len(ids), length) if len(ids) - i > 1]
-
-
-def as_items(samples: list[tuple[list[int], list[int]]], classes: Optional[list[int]], max_length: int
-             ) -> Tokenized:
+def as_items(samples: list[tuple], classes: Optional[list[int]], max_length: int) -> Tokenized:
+    """(ids, labels[, document ids]) as items {input_ids, attention_mask, labels[, document_ids]}, truncated."""
     items = []
-    for i, (ids, labels) in enumerate(samples):
+    for i, (ids, labels, *documents) in enumerate(samples):
         ids = torch.tensor(ids[:max_length], dtype=torch.int64)
         target = torch.tensor(classes[i]) if classes is not None else torch.tensor(labels[:max_length])
         items.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=target))
+        if documents:  # packed by documents: the model keeps each one's positions and attention to itself
+            items[-1]["document_ids"] = torch.tensor(documents[0][:max_length], dtype=torch.int64)
     return Tokenized(items)
 
 
-def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: str, max_length: int, packing: bool,
+def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: str, max_length: int, packing: Any,
               padding: str, text_field: str, prompt_field: str, response_field: str, label_field: Optional[str],
               seed: int, ignore_index: int = -100) -> Datasets:
     """data=text: a training file and a held-out file (or `val_fraction` of the training file, drawn by the seed),
     tokenized; language modelling, or sequence classification when the records carry `label_field`."""
     check_lengths(max_length, padding)
+    packing = packing_mode(packing)
     records = read_records(train, "data.train")
     if val is not None:
         held_out = read_records(val, "data.val")
@@ -184,8 +181,8 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
         records, held_out = [records[i] for i in kept], [records[i] for i in out]
     lm = not (label_field and label_field in records[0])
     if packing and not lm:
-        raise UserError("data.packing=true packs language-modelling samples; these records carry labels "
-                        f"(data.label_field={label_field}): use data.packing=false, or data.label_field=null")
+        raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry "
+                        f"labels (data.label_field={label_field}): use data.packing=false, or data.label_field=null")
     tok = load_tokenizer(tokenizer)
     fields = dict(text=text_field, prompt=prompt_field, response=response_field)
     splits, names = [], None
@@ -195,9 +192,9 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
         if not lm:
             classes, names = class_index(part, label_field, names, where)
         elif packing:
-            samples = pack(samples, max_length)
+            samples = pack(samples, max_length, packing, ignore_index)
         splits.append(as_items(samples, classes, max_length))
-    task = "language modelling" + (", packed" if packing else "") if lm else f"{len(names)} classes"
+    task = "language modelling" + describe(packing) if lm else f"{len(names)} classes"
     return tokenized_datasets(splits, tok, None if lm else names, max_length, padding, ignore_index,
                               f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})")
 
@@ -215,7 +212,7 @@ def tokenized_datasets(splits: list[Tokenized], tok: Any, class_names: Optional[
     """The training and held-out items as Datasets: padded per micro-batch (or to max_length) with the tokenizer's
     padding token, language modelling over its vocabulary, or classes when `class_names` are given."""
     pad = pad_id(tok)
-    collate = PadCollate(dict(input_ids=pad, attention_mask=0, labels=ignore_index),
+    collate = PadCollate(dict(input_ids=pad, attention_mask=0, labels=ignore_index, document_ids=0),
                          length=max_length if padding == "max_length" else None)
     lm = class_names is None
     return Datasets(splits[0], splits[1], len(tok) if lm else len(class_names), (max_length,), description,

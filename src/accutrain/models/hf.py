@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import adapters
+from accutrain.models import adapters, packed
 from accutrain.models.adapters import first_line
 from accutrain.models.pitfalls import STOCHASTIC
 
@@ -84,9 +84,19 @@ class HFAdapter(nn.Module):
 
 
 class HFCausalLM(HFAdapter):
-    """Logits (batch, vocabulary, length); the labels are the inputs, shifted by the loss (loss.shift_labels)."""
+    """Logits (batch, vocabulary, length); the labels are the inputs, shifted by the loss (loss.shift_labels).
+    Blocks packed by documents (their `document_ids`) get positions and attention per document (models/packed.py)."""
 
     loss_defaults = dict(normalize="tokens", shift_labels=True)
+    packs_documents = True
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        if "document_ids" in inputs:
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            dtype = next(base.parameters()).dtype
+            inputs = packed.document_inputs(inputs, getattr(base.config, "_attn_implementation", None) or "eager",
+                                            dtype if dtype.is_floating_point else torch.float32)
+        return super().forward(**inputs)
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.transpose(1, 2)

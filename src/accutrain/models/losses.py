@@ -63,6 +63,7 @@ def attach(loss: Loss, model: nn.Module, cfg: DictConfig) -> None:
     refused = [
         (cfg.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
         (cfg.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        (cfg.get("micro_tokens") is not None, f"micro_tokens={cfg.get('micro_tokens')}", "give micro_batch=N"),
         (cfg.trainer.accum_dtype is not None or cfg.trainer.offload_grads,
          "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
         (cfg.augment.mixup_alpha > 0 or cfg.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from accutrain.config.validate import validate
 from accutrain.config.validate_values import auto_needs_budget
-from accutrain.core.plan import derive_accum
+from accutrain.core.plan import window_split
 from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, RankDied, UserError
@@ -60,7 +60,8 @@ def place(cfg: DictConfig) -> Ranks:
         raise UserError(f"devices={cfg.devices} but {launcher_name()} started {world.size} processes: leave "
                         f"devices=auto or set devices={world.size}")
     if world is not None and cfg.micro_batch != "auto" and cfg.get("batch_schedule") is None:
-        derive_accum(cfg.micro_batch, world.size, cfg.accum, cfg.global_batch)  # this world's split, one line
+        window_split(cfg.micro_batch, world.size, cfg.accum, cfg.global_batch,  # this world's split, one line
+                     cfg.get("micro_tokens"))
     auto_needs_budget(cfg, device.type)  # trainer.device=auto found no CUDA device: before the run directory is made
     n = world.size if world is not None else count_devices(cfg.devices, device.type)
     if n > 1 and cfg.batchnorm.sync and device.type != "cuda":

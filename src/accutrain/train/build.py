@@ -26,9 +26,11 @@ from accutrain.core.monitor import Monitor
 from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use
+from accutrain.core.token_budget import TokenLengths
 from accutrain.core.windows import WindowSampler, window_loader
 from accutrain.data import datasets as data
 from accutrain.data import checks as data_checks
+from accutrain.data.lengths import token_lengths
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import factories as models
@@ -61,6 +63,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     model = strategy.prepare(build_model(cfg, datasets, batches, world, device, precision, strategy))
     loss = build_loss(cfg.loss, model)  # loss=: summed per term, |W| counted from the targets
     check_targets(loss, batches([datasets.train[0]]).target, cfg.data._target_)
+    first_inputs = batches([datasets.train[0]]).inputs
+    if getattr(loss, "per_sequence", False) and isinstance(first_inputs, dict) and "document_ids" in first_inputs:
+        raise UserError("loss.normalize=sequences averages each sample's tokens, and data.packing=true makes a sample "
+                        "a block of several documents: use data.packing=false with loss.normalize=sequences")
     attach(loss, model, cfg)  # a window-level loss: its refusals, its learnt temperature
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
     if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
@@ -90,7 +96,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
         train_size=len(datasets.train), last_window=trainer.last_window,
         epochs=trainer.epochs, max_steps=trainer.max_steps, schedule=cfg.get("batch_schedule"),
+        micro_tokens=cfg.get("micro_tokens"),
     )
+    tokens = token_lengths(datasets, batches, plan.micro_tokens)  # token data: micro_tokens' cut, padding figures
     for line in plan.describe():
         log.info(line)
     log.info(data.describe_split_sizes(datasets))
@@ -110,7 +118,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
         log.info(line)
 
     pin = device.type == "cuda"
-    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer)  # MixUp/CutMix drawn per window
+    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer, tokens)  # MixUp/CutMix drawn per window
     # The loaders draw their workers' seeds from generators of their own, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
@@ -121,7 +129,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
                            stand_in=not synced and not strategy.lockstep)
     val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
     val_loader = strategy.eval_batches(
-        data.eval_loader(val_share, trainer.eval_batch or plan.micro_batch, workers, pin, cfg.seed,
+        data.eval_loader(val_share, trainer.eval_batch or eval_rows(plan, tokens), workers, pin, cfg.seed,
                          collate=batches), lambda: batches([datasets.val[0]]).head(0))
     for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
                     pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),
@@ -135,6 +143,14 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
                       sampler, loader, val_loader, precision, buffers, loss, make_ema(trainer, model),
                       Monitor.from_config(trainer, loss.task, loss.monitor), datasets.tokenizer,
                       make_noise_scale(typed_trainer, model, world, device, precision, plan, loss.elements))
+
+
+def eval_rows(plan: BatchPlan, tokens: Optional[TokenLengths]) -> int:
+    """The held-out split's batch (trainer.eval_batch null): micro_batch, or with micro_tokens as many of the
+    longest training sample as the budget holds."""
+    if plan.micro_tokens is None or tokens is None:
+        return plan.micro_batch
+    return max(1, plan.micro_tokens // tokens.longest)
 
 
 def make_noise_scale(trainer: TrainerConfig, model: nn.Module, world: World, device: torch.device,
@@ -161,6 +177,12 @@ def build_model(cfg: DictConfig, datasets: data.Datasets, batches: BatchFormat, 
     example = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     if cfg.augment.views > 1:  # pairs of views: the model embeds one view at a time
         example = dataclasses.replace(example, inputs=example.inputs[:, 0])
+    target = str(model_cfg.get("_target_"))
+    if isinstance(example.inputs, dict) and "document_ids" in example.inputs and \
+            target.startswith("accutrain.models.") and target != "accutrain.models.hf.causal_lm":
+        raise UserError(f"data.packing=true keeps each packed document's positions and attention to itself, which "
+                        f"model {models.model_name(model_cfg)} cannot take (document_ids): use model=hf_causal_lm, or "
+                        "data.packing=concat (attention crossing documents)")
     model = models.build_model(model_cfg, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
     norms.convert_norm(model, cfg.batchnorm.convert, cfg.batchnorm.groups)
     if cfg.trainer.activation_checkpointing:

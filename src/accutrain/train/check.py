@@ -25,7 +25,7 @@ from accutrain.core.batches import Batch, as_batch
 from accutrain.core.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss, one_pass
 from accutrain.core.loss import Loss, SummedLoss
-from accutrain.core.plan import derive_accum
+from accutrain.core.plan import window_split
 from accutrain.core.precision import full_float32, tolerance
 from accutrain.core.step import accumulate
 from accutrain.core.windows import MicroBatch, WindowSampler
@@ -80,8 +80,9 @@ def components_for_check(cfg: DictConfig) -> Components:
     device = resolve_device(cfg.trainer.device)
     devices = count_devices(cfg.devices, device.type)
     if cfg.micro_batch != "auto":
-        cfg.accum = derive_accum(cfg.micro_batch, devices, cfg.accum, cfg.global_batch) * devices
-        cfg.global_batch = None
+        cfg.micro_batch, accum = window_split(cfg.micro_batch, devices, cfg.accum, cfg.global_batch,
+                                              cfg.get("micro_tokens"))
+        cfg.accum, cfg.global_batch = accum * devices, None
     cfg.devices = devices  # the world is World(): devices only tells the check whom SyncBatchNorm would span
     cfg.strategy = {"name": "ddp"}  # the accumulation's arithmetic, on the whole model: FSDP's is the same
     return build(cfg, World(), device)

@@ -66,6 +66,10 @@ class StepLog:
             self.tokens += terms
             record.update(elements=terms, tokens_per_s=terms / seconds,
                           ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
+        padding = c.sampler.padding(window)
+        if padding is not None:  # token data: the tokens the model read, and the share of padding its rows added
+            record.update(input_tokens=padding[0], input_tokens_per_s=padding[0] / seconds,
+                          pad_fraction=1 - padding[0] / padding[1] if padding[1] else 0.0)
         if self.scaler:
             record["amp_scale"] = w.scale
         record.update(scaled_hparams(c, window.batch, skipped))

@@ -1,0 +1,38 @@
+"""Each training sample's length in tokens, for the window sampler: what micro_tokens cuts by and what the metrics'
+padding fraction counts (accutrain.core.token_budget)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from accutrain.core.batches import BatchFormat, PadCollate
+from accutrain.core.token_budget import TokenLengths
+from accutrain.data.datasets import Datasets
+from accutrain.errors import UserError
+
+
+def token_lengths(datasets: Datasets, batches: BatchFormat, micro_tokens: Optional[int]) -> Optional[TokenLengths]:
+    """Token data's lengths: items padded per micro-batch (PadCollate: data=text, data=hf) by their longest 1-D
+    tensor, fixed-width token sequences (data=sequences, which come padded: no padding figures) by their width;
+    None for other data,
+    where micro_tokens is one line, as is a budget below the longest sample."""
+    train, collate = datasets.train, batches.collate
+    first = train[0]
+    if isinstance(collate, PadCollate) and isinstance(first, dict):
+        lengths = torch.tensor([max((len(v) for v in train[i].values() if v.dim() == 1), default=1)
+                                for i in range(len(train))])
+        tokens = TokenLengths(lengths, collate.length, micro_tokens)
+    elif len(datasets.sample_shape) == 1 and isinstance(first, (tuple, list)) and not first[0].is_floating_point():
+        tokens = TokenLengths(torch.full((len(train),), datasets.sample_shape[0]), datasets.sample_shape[0],
+                              micro_tokens, real=False)  # padded already: the budget counts rows × width
+    elif micro_tokens is not None:
+        raise UserError(f"micro_tokens={micro_tokens} cuts micro-batches by tokens; this data's samples are not "
+                        f"token sequences (sample shape {tuple(datasets.sample_shape)}): use micro_batch=N")
+    else:
+        return None
+    if micro_tokens is not None and micro_tokens < tokens.longest:
+        raise UserError(f"micro_tokens={micro_tokens} is less than the longest training sample, {tokens.longest} "
+                        f"tokens as a micro-batch holds it: set micro_tokens ≥ {tokens.longest} (or a smaller "
+                        "data.max_length)")
+    return tokens

@@ -1,0 +1,73 @@
+"""`accutrain-check --show-sample[=N]`: one training sample as the model reads it, the tokens the loss counts marked
+— what chat and prompt masking (and packing) made of a record — without building the model."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from accutrain.config.targets import instantiate, record, run_arguments
+from accutrain.data import checks as data_checks
+from accutrain.errors import UserError
+
+OPEN, CLOSE = "⟦", "⟧"  # around the tokens counted in the loss
+
+
+def decode(tok: Any, ids: list[int]) -> str:
+    """The text of `ids`: the tokenizer's decode, or for the byte tokenizer its bytes (<pad>, <eos>, <unk> named)."""
+    if hasattr(tok, "decode"):
+        return tok.decode(ids)
+    names = {256: "<pad>", 257: "<eos>", 258: "<unk>"}
+    out, pending = [], bytearray()
+    for i in ids:
+        if i < 256:
+            pending.append(i)
+            continue
+        out.append(pending.decode("utf-8", errors="replace"))
+        pending = bytearray()
+        out.append(names.get(i, f"<{i}>"))
+    return "".join(out) + pending.decode("utf-8", errors="replace")
+
+
+def show_sample(cfg: DictConfig, index: int) -> str:
+    """Training sample `index` of the configured data, rendered with the tokens whose label is not
+    loss.ignore_index between ⟦ and ⟧ (the targets the loss predicts, each from the token before it), a line per
+    packed document boundary."""
+    record(cfg.data, run_arguments("data", cfg.data, dict(seed=cfg.seed)))
+    with torch.random.fork_rng(devices=[]):
+        datasets, _ = data_checks.prepare(instantiate("data", cfg.data), cfg)
+    train, tok = datasets.train, datasets.tokenizer
+    if not 0 <= index < len(train):
+        raise UserError(f"--show-sample={index}: the training split has {len(train)} samples (0 to {len(train) - 1})")
+    item = train[index]
+    if tok is None or not isinstance(item, dict) or "input_ids" not in item or item["labels"].dim() != 1:
+        raise UserError("--show-sample shows a language-modelling sample of tokenized text (data=text, data=hf); "
+                        f"this data ({cfg.data._target_}) has none")
+    ids, labels = item["input_ids"].tolist(), item["labels"].tolist()
+    counted = [label != cfg.loss.ignore_index for label in labels]
+    documents = item.get("document_ids")
+    starts = {0} if documents is None else {i for i in range(len(ids)) if i == 0 or documents[i] != documents[i - 1]}
+    rendered: list[str] = []
+    run: list[int] = []
+    flag = False
+
+    def flush() -> None:
+        if run:
+            body = decode(tok, run)
+            rendered.append(f"{OPEN}{body}{CLOSE}" if flag else body)
+            run.clear()
+
+    for position, token in enumerate(ids):
+        if position in starts and position:
+            flush()
+            rendered.append(f"\n── document {int(documents[position])} ──\n")
+        if counted[position] != flag:
+            flush()
+            flag = counted[position]
+        run.append(token)
+    flush()
+    head = (f"training sample {index} of {len(train)}, data {datasets.description}\n{len(ids)} tokens, "
+            f"{sum(counted)} counted in the loss, between {OPEN} and {CLOSE}; the rest is context"
+            + (f"; {len(starts)} packed documents" if documents is not None else ""))
+    return head + "\n" + "".join(rendered)
