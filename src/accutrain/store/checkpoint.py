@@ -64,15 +64,16 @@ def write_error(error: RuntimeError) -> BaseException:
     return error
 
 
-def load(path: Path, mmap: bool = False) -> dict[str, Any]:
+def load(path: Path, mmap: bool = False, evaluation: bool = False) -> dict[str, Any]:
     """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line. A sharded
     checkpoint's directory gives its state.pt, marked `sharded` (the shards are read by the strategy). mmap: the
-    tensors are mapped from the file, read as they are used (every rank of a run can load it at little cost)."""
+    tensors are mapped from the file, read as they are used (every rank of a run can load it at little cost).
+    evaluation: the weights are what is wanted, so best.pt (no optimizer state) is accepted."""
     if path.is_dir():
         if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
             raise UserError(f"{path} is not a checkpoint: a sharded checkpoint is a directory holding .metadata and "
                             f"{STATE_FILE}")
-        state = load(path / STATE_FILE)
+        state = load(path / STATE_FILE, evaluation=evaluation)
         if problem := shards_problem(path):
             raise UserError(f"{path} is not whole: {problem}")
         return state
@@ -98,6 +99,8 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     if (not isinstance(state, dict) or state.get("format") not in READABLE
             or "model" not in state and not state.get("sharded")):
         raise UserError(f"{path} is not an accutrain checkpoint")
+    if evaluation:
+        return state
     if "optimizer" not in state and not state.get("sharded"):
         raise UserError(f"{path} holds the weights for evaluation only (best.pt keeps no optimizer state): resume "
                         "from last.pt or a step-*.pt of the same run")
