@@ -1,7 +1,10 @@
-"""What a run writes for its user beside the training itself: the test stage (data.test)."""
+"""What a run writes for its user beside the training itself: the test stage (data.test), checkpoint names that
+carry the epoch and step, the weights alone (trainer.export=weights), metrics.jsonl's record kinds and loss.png's
+panels. One small run (TESTED) serves them all."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,7 +18,14 @@ from accutrain.train.build import build
 from conftest import TINY, train_here
 
 # lr 0.5 reaches val_acc 1.0 at step 20: the best evaluation (the first of the best) is not the last (step 30).
-TESTED = [*TINY, "data.test=40", "trainer.epochs=3", "optim.lr=0.5", "trainer.ema=0.9"]
+TESTED = [*TINY, "data.test=40", "trainer.epochs=3", "optim.lr=0.5", "trainer.ema=0.9", "trainer.checkpoint_every=4",
+          "trainer.keep_checkpoints=2", "trainer.export=weights"]
+
+
+@pytest.fixture(scope="module")
+def tested(tmp_path_factory):
+    """(the run directory, its log) of one TESTED run, in this process."""
+    return train_here(tmp_path_factory.mktemp("outputs"), "run", *TESTED)
 
 
 def by_hand(model: torch.nn.Module, weights: dict, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
@@ -27,8 +37,8 @@ def by_hand(model: torch.nn.Module, weights: dict, inputs: torch.Tensor, labels:
     return F.cross_entropy(logits, labels).item(), (logits.argmax(1) == labels).sum().item() / len(labels)
 
 
-def test_the_test_stage_evaluates_the_last_and_the_best_weights_over_the_whole_split(tmp_path):
-    run_dir, log = train_here(tmp_path, "run", *TESTED)
+def test_the_test_stage_evaluates_the_last_and_the_best_weights_over_the_whole_split(tested):
+    run_dir, log = tested
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     test = records[-1]
     evals = [r for r in records if "val_acc" in r]
@@ -64,3 +74,58 @@ def test_a_test_split_leaves_the_training_and_validation_data_as_they_were():
             assert torch.equal(getattr(a, split).labels, getattr(b, split).labels)
     with pytest.raises(UserError, match=r"data.test=1438 is not valid: expected 0 \(no test split\) to 1437"):
         digits(test=1438)
+
+
+def test_checkpoints_carry_their_epoch_and_step_and_best_its_value_as_names_of_the_same_files(tested):
+    folder = tested[0] / "checkpoints"
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("abandoned"))
+    # every 4 steps and at the end (30), the newest 2 kept, with their names; the best evaluation: step 20, epoch 2
+    assert names == ["best-epoch2-step20-val_acc1.pt", "best.pt", "epoch3-step28.pt", "epoch3-step30.pt", "last.pt",
+                     "step-00000028.pt", "step-00000030.pt"]
+    for name, same in (("epoch3-step28.pt", "step-00000028.pt"), ("epoch3-step30.pt", "last.pt"),
+                       ("best-epoch2-step20-val_acc1.pt", "best.pt")):
+        assert os.path.samefile(folder / name, folder / same)  # one file, two names: no second copy
+    assert torch.load(folder / "epoch3-step28.pt", weights_only=True)["step"] == 28
+
+
+def test_export_weights_writes_the_last_weights_alone_for_the_bare_model(tested):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    run_dir = tested[0]
+    model = build(compose(*TESTED), World(), torch.device("cpu")).model
+    model.load_state_dict(load_file(run_dir / "model.safetensors"), strict=True)
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert all(torch.equal(model.state_dict()[k], last[k]) for k in last)
+    with safe_open(run_dir / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"step": "30", "model": "accutrain.models.mlp"}
+    assert "exported the weights" in tested[1]
+
+
+def test_every_metrics_record_says_its_kind_and_reads_as_a_dataframe_per_kind(tested, tmp_path):
+    from accutrain.report.runs import metrics_frame, metrics_records
+
+    run_dir = tested[0]
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["plan"] + (["step"] * 10 + ["eval"]) * 3 + ["test"]
+    steps = metrics_frame(run_dir, "step")
+    assert len(steps) == 30 and list(steps["step"]) == list(range(1, 31)) and steps["loss"].notna().all()
+    assert list(metrics_frame(run_dir, "eval")["val_acc"]) == [r["val_acc"] for r in metrics_records(run_dir, "eval")]
+    assert metrics_frame(run_dir, "plan")["plan.total_steps"].tolist() == [30]
+    old = tmp_path / "metrics.jsonl"  # a file written before records said their kind
+    old.write_text('{"plan": {"effective": 8}}\n{"step": 1, "loss": 2.0}\n{"step": 1, "val_loss": 1.5}\n')
+    assert [r["kind"] for r in metrics_records(old)] == ["plan", "step", "eval"]
+    with pytest.raises(ValueError, match="kind='steps': expected one of plan, step, eval, test"):
+        metrics_records(run_dir, "steps")
+
+
+def test_loss_png_draws_the_validation_metric_beside_the_loss_on_a_log_scale_when_it_spans_decades(tested):
+    from accutrain.report.plots import run_figure, spans_decades
+    from accutrain.report.runs import read_run
+
+    loss, metric = run_figure(read_run(tested[0], "run")).axes
+    assert loss.get_yscale() == "log" and loss.get_ylabel() == "loss (log scale)"  # 2.3 down to ~0.001
+    assert metric.get_title() == "val_acc" and [len(line.get_xdata()) for line in metric.lines] == [3, 1, 1]
+    assert [t.get_text() for t in metric.get_legend().get_texts()] == [
+        "val acc", "test, last weights: 0.975", "test, best weights: 0.975"]
+    assert spans_decades([2.3, 0.05]) and not spans_decades([2.3, 0.5]) and not spans_decades([1.0, -1.0])

@@ -20,6 +20,7 @@ from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import checkpoint
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
+from accutrain.store.weights import WEIGHTS_FILE, save_weights
 from accutrain.trackers import Trackers
 from accutrain.train import check
 from accutrain.train.build import build
@@ -67,13 +68,13 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     if world.main:
         trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None, monitor=c.monitor.metric)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
-    metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
+    metrics.write(dict(plan=c.plan.record()), "plan")  # the plan as data, for reports (a resumed session adds its own)
     try:
         with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
             out = fit(c, metrics, progress, save, stop)
         if not out.stopped_by:  # the run's end: export the last weights, then test with them and the best ones
             if world.main and cfg.trainer.export:
-                export(c, run_dir)
+                export(c, run_dir, out.progress.step)
             out.test = run_test(c, metrics, out.progress, save.best_path())
     except NonFinite as e:
         trackers.finish("failed", progress)
@@ -95,8 +96,15 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     return out
 
 
-def export(c: Components, run_dir: Path) -> None:
-    """trainer.export: the trained model saved with save_pretrained (hf, merged) into run_dir/hf."""
+def export(c: Components, run_dir: Path, step: int) -> None:
+    """trainer.export: the trained model's weights alone (weights: run_dir/model.safetensors), or the model saved with
+    save_pretrained (hf, merged) into run_dir/hf."""
+    if c.trainer.export == "weights":
+        path = run_dir / WEIGHTS_FILE
+        size = save_weights(c.model.state_dict(), path, dict(step=step, model=c.cfg.model._target_))
+        log.info(f"exported the weights ({size / 2**20:.3g} MiB) to {path} (safetensors.torch.load_file, then "
+                 "load_state_dict)")
+        return
     from accutrain.models.hf import export as save_pretrained
 
     merged = c.trainer.export == "merged"
@@ -151,7 +159,9 @@ class Checkpoints:
                 self.rotation.commit(path)
         elif c.world.main:
             try:
-                path = self.rotation.save_best(for_evaluation(state)) if best else self.rotation.save(state, p.step)
+                epoch = p.last_epoch + 1  # the step's epoch, as the log and metrics.jsonl count it
+                path = (self.rotation.save_best(for_evaluation(state), f"epoch{epoch}-step{p.step}-{c.monitor.metric}"
+                                                f"{p.best:.4g}") if best else self.rotation.save(state, p.step, epoch))
                 if not best:
                     self.failure = None
             except OSError as e:

@@ -36,11 +36,12 @@ class RunInfo:
     saved: dict[str, Any] = field(default_factory=dict)  # what this tracker's start() returned in that session
 
     def history(self) -> Iterator[dict[str, Any]]:
-        """The step and evaluation records of metrics.jsonl up to `step`, in order: for a tracker that joins a
-        resumed run, or whose backend lost the tail of the killed session, to log again."""
+        """The step and evaluation records of metrics.jsonl up to `step`, in order, as they were logged (without the
+        file's `kind` but the test stage's): for a tracker that joins a resumed run, or whose backend lost the tail of
+        the killed session, to log again."""
         for _, record in read_jsonl(self.run_dir / "metrics.jsonl"):
             if isinstance(record.get("step"), int) and record["step"] <= self.step:
-                yield record
+                yield record if record.get("kind") == "test" else {k: v for k, v in record.items() if k != "kind"}
 
 
 @dataclass

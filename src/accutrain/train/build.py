@@ -66,9 +66,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
         raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
                         "target per sample")
-    if trainer.export and not hasattr(model, "save_pretrained"):
+    if trainer.export in ("hf", "merged") and not hasattr(model, "save_pretrained"):
         raise UserError(f"trainer.export={trainer.export} needs a Hugging Face model (model=hf_causal_lm or "
-                        f"model=hf_seq_cls), not {cfg.model._target_}")
+                        f"model=hf_seq_cls), not {cfg.model._target_}; trainer.export=weights saves any model's "
+                        "weights")
     if trainer.export == "merged" and not getattr(model, "adapted", False):
         raise UserError("trainer.export=merged merges an adapter into the model: it needs model.adapter=lora "
                         "(trainer.export=hf saves a model trained whole)")
