@@ -129,3 +129,25 @@ def test_loss_png_draws_the_validation_metric_beside_the_loss_on_a_log_scale_whe
     assert [t.get_text() for t in metric.get_legend().get_texts()] == [
         "val acc", "test, last weights: 0.975", "test, best weights: 0.975"]
     assert spans_decades([2.3, 0.05]) and not spans_decades([2.3, 0.5]) and not spans_decades([1.0, -1.0])
+
+
+def test_the_long_waits_show_a_bar_on_a_terminal_and_none_in_a_log(monkeypatch):
+    import io
+    import sys
+
+    from accutrain.train import console
+    from accutrain.train.loop import measure
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(console, "WAIT_DELAY_S", 0.0)  # (1 s: an evaluation that takes less shows no bar)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    c = build(compose(*TINY, "trainer.progress=true", "micro_batch=auto", "trainer.memory_budget_mb=100000",
+                      "global_batch=8"), World(), torch.device("cpu"))
+    assert "micro_batch=auto: trial steps" in sys.stderr.getvalue() and c.plan.micro_batch == 8
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        measure(c, "")
+        assert ("evaluating (val)" in stream.getvalue()) is shown

@@ -31,6 +31,7 @@ from accutrain.errors import NonFinite, UserError
 from accutrain.models import norms, pitfalls
 from accutrain.signals import StopRequest
 from accutrain.train.components import Components
+from accutrain.train.console import wait_bar
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
 from accutrain.train.stopping import Abandoned, WindowWatch
@@ -271,7 +272,8 @@ def measure(parts: Components, suffix: str, loader: Optional[Iterable[Any]] = No
     """The loss's metrics (val_loss, and val_acc, val_mae/val_rmse or val_f1; named with `suffix`, and `split` in
     place of val for another split's `loader`) of the model's current weights over the whole held-out split (or
     `loader`'s): every rank's sums added, then divided once."""
-    loader = parts.val_loader if loader is None else loader
+    loader = wait_bar(parts.val_loader if loader is None else loader, desc=f"evaluating ({split})", unit="batch",
+                      enabled=parts.trainer.progress and parts.world.main)
     if isinstance(parts.loss, ContrastiveLoss):  # the held-out split as one set of candidates
         sums = evaluate_window(parts.wrapped, loader, parts.device, parts.precision, parts.loss, parts.world.size)
     else:
