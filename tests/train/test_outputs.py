@@ -14,6 +14,7 @@ from accutrain.config.train import compose
 from accutrain.data.datasets import digits, sequences, synthetic
 from accutrain.dist import World
 from accutrain.errors import UserError
+from accutrain.store.status import read_status, write_status
 from accutrain.train.build import build
 from conftest import TINY, train_here
 
@@ -24,8 +25,11 @@ TESTED = [*TINY, "data.test=40", "trainer.epochs=3", "optim.lr=0.5", "trainer.em
 
 @pytest.fixture(scope="module")
 def tested(tmp_path_factory):
-    """(the run directory, its log) of one TESTED run, in this process."""
-    return train_here(tmp_path_factory.mktemp("outputs"), "run", *TESTED)
+    """(the run directory, its log) of one TESTED run, in this process (status.json begun as the CLI begins it)."""
+    root = tmp_path_factory.mktemp("outputs")
+    (root / "run").mkdir()
+    write_status(root / "run", "running")
+    return train_here(root, "run", *TESTED)
 
 
 def by_hand(model: torch.nn.Module, weights: dict, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
@@ -53,6 +57,7 @@ def test_the_test_stage_evaluates_the_last_and_the_best_weights_over_the_whole_s
         assert test[f"test_loss{suffix}"] == pytest.approx(loss, rel=1e-5)
         assert test[f"test_acc{suffix}"] == pytest.approx(acc, abs=1e-9)
     assert test["test_loss"] != test["test_loss_best"]
+    assert read_status(run_dir)["test"] == {k: v for k, v in test.items() if k != "kind"}
     assert f"test (optimizer step 30): test_loss {test['test_loss']:.4f}" in log
     assert f"test_acc {test['test_acc']:.4f} (best weights {test['test_acc_best']:.4f})" in log  # the summary line
 
