@@ -156,3 +156,15 @@ def test_the_long_waits_show_a_bar_on_a_terminal_and_none_in_a_log(monkeypatch):
         monkeypatch.setattr(sys, "stderr", stream)
         measure(c, "")
         assert ("evaluating (val)" in stream.getvalue()) is shown
+
+
+def test_the_run_summary_shows_the_test_stage_of_the_last_and_the_best_weights(tested):
+    import csv
+
+    from accutrain.report.summary import write_report
+
+    report = write_report(tested[0])
+    assert "test: last / best weights" in report.text and "test_acc 0.9750 / 0.9750" in report.text
+    with open(tested[0] / "summary.csv") as f:
+        row = next(csv.DictReader(f))
+    assert (row["test_metric"], float(row["test_last"]), float(row["test_best"])) == ("test_acc", 0.975, 0.975)
