@@ -62,6 +62,15 @@ def test_the_test_stage_evaluates_the_last_and_the_best_weights_over_the_whole_s
     assert f"test_acc {test['test_acc']:.4f} (best weights {test['test_acc_best']:.4f})" in log  # the summary line
 
 
+def test_the_trackers_take_the_test_stage_as_test_scalars():
+    from accutrain.trackers.base import scalars
+
+    record = {"kind": "test", "step": 30, "epoch": 3, "test_loss": 0.2, "test_acc": 0.9, "best_step": 20,
+              "test_loss_best": 0.3, "test_acc_best": 0.95}
+    assert scalars(record) == {"test/loss": 0.2, "test/acc": 0.9, "test/loss_best": 0.3, "test/acc_best": 0.95}
+    assert scalars({"step": 30, "val_acc": 0.9}) == {"val/acc": 0.9}
+
+
 def test_a_test_split_leaves_the_training_and_validation_data_as_they_were():
     plain, tested = digits(), digits(test=100, seed=3)
     assert (len(tested.train), len(tested.val), len(tested.test)) == (1338, 359, 100)
