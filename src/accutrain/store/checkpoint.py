@@ -199,13 +199,11 @@ class Rotation:
         return path
 
     def name(self, path: Path, name: str) -> None:
-        """Give the checkpoint file `path` a second name in its folder (a hard link: no second copy). Where the file
-        system has no hard links, it keeps its one name."""
+        """Give the checkpoint file `path` a second name in its folder (a hard link: no second copy; no temporary
+        file, as nothing reads it back). Where the file system has no hard links, it keeps its one name."""
         try:
-            tmp = self.directory / f".{name}.tmp"
-            tmp.unlink(missing_ok=True)
-            os.link(path, tmp)
-            os.replace(tmp, self.directory / name)
+            (self.directory / name).unlink(missing_ok=True)
+            os.link(path, self.directory / name)
         except OSError as e:
             log.debug(f"{path} keeps its one name ({name}: {e})")
 
