@@ -86,8 +86,37 @@ def test_a_test_split_leaves_the_training_and_validation_data_as_they_were():
         for split in ("train", "val"):
             assert torch.equal(getattr(a, split).images, getattr(b, split).images)
             assert torch.equal(getattr(a, split).labels, getattr(b, split).labels)
-    with pytest.raises(UserError, match=r"data.test=1438 is not valid: expected 0 \(no test split\) to 1437"):
+    with pytest.raises(UserError, match=r"data.test=1438 is not valid: expected 0 \(none\) to 1437 samples held out"):
         digits(test=1438)
+
+
+def test_torchvision_data_tests_its_own_test_split_and_validates_on_training_images(tmp_path, monkeypatch):
+    import torchvision
+    from PIL import Image
+
+    from accutrain.data.datasets import torchvision_dataset
+
+    class Fake(torch.utils.data.Dataset):  # CIFAR-10's interface: (root, train, download), PIL images
+        def __init__(self, root: str, train: bool, download: bool) -> None:
+            self.n, self.shade = (50, 0) if train else (20, 100)
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int):
+            return Image.new("RGB", (32, 32), (self.shade + i, 0, 0)), i % 10
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", Fake)
+    plain = torchvision_dataset("cifar10", str(tmp_path), False)
+    tested = torchvision_dataset("cifar10", str(tmp_path), False, test=True, val_size=10, seed=1)
+    assert (len(plain.train), len(plain.val), plain.test) == (50, 20, None)
+    assert (len(tested.train), len(tested.val), len(tested.test)) == (40, 10, 20)
+    assert torch.equal(tested.test[3][0], plain.val[3][0])  # the official test split, in the evaluation view
+    shades = lambda split: {round(float(split[i][0][0, 0, 0]), 4) for i in range(len(split))}  # noqa: E731
+    assert not shades(tested.train) & shades(tested.val) and shades(tested.train) | shades(tested.val) == shades(
+        plain.train)
+    with pytest.raises(UserError, match="data.val_size=50 is not valid"):
+        torchvision_dataset("cifar10", str(tmp_path), False, test=True, val_size=50)
 
 
 def test_checkpoints_carry_their_epoch_and_step_and_best_its_value_as_names_of_the_same_files(tested):

@@ -129,6 +129,8 @@ class TorchvisionData(DataConfig):
     name: str = MISSING  # cifar10 | mnist
     root: str = "data"
     download: bool = False
+    test: bool = False  # true: the test split is the test stage's, validation val_size training images (by the seed)
+    val_size: int = 5000  # with test: the training images held out for validation
 
 
 @dataclass

@@ -157,8 +157,11 @@ _TORCHVISION = {
 }
 
 
-def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
-    """CIFAR-10 or MNIST through torchvision, from `root` (downloaded there when `download` is true)."""
+def torchvision_dataset(name: str, root: str, download: bool, test: bool = False, val_size: int = 5000,
+                        seed: int = 0) -> Datasets:
+    """CIFAR-10 or MNIST through torchvision, from `root` (downloaded there when `download` is true); the held-out
+    split is torchvision's test split, or with `test` the test stage's, and `val_size` training images, drawn by the
+    seed, the held-out split."""
     if name not in _TORCHVISION:
         raise UserError(f"data.name={name!r} is not valid: expected one of {', '.join(_TORCHVISION)}")
     import torchvision
@@ -178,10 +181,15 @@ def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
         ) from None
     except OSError as e:  # download failed: no network, no write permission, ...
         raise UserError(f"could not download {name} to {root_path}: {e}") from None
-    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"], mirror=spec.get("mirror", True))
+    held = None
+    if test:  # the official test split is tested once, at the end; validation is held out of the training split
+        kept, out = test_indices(len(train), val_size, seed, name, key="data.val_size")
+        train, val, held = Subset(train, kept.tolist()), Subset(train, out.tolist()), val
+    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"], mirror=spec.get("mirror", True),
+                         test=held)
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), spec["classes"], spec["shape"], f"{name} ({root_path})",
-                    images=source, decoded=True)
+                    images=source, decoded=True, test=Views(held, view) if held is not None else None)
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

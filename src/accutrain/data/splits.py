@@ -66,11 +66,12 @@ class InMemory(Dataset):
         return self.images.index_select(0, index), self.labels.index_select(0, index)
 
 
-def test_indices(n: int, test: int, seed: int, what: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the indices of n training samples kept for training, those held out as the test split — None when `test` is
-    0): `test` samples drawn by the seed, each set in order."""
+def test_indices(n: int, test: int, seed: int, what: str, key: str = "data.test"
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the indices of n training samples kept for training, those held out — None when `test` is 0): `test` samples
+    drawn by the seed, each set in order. `key` names the setting in the message for a count out of range."""
     if not 0 <= test < n:
-        raise UserError(f"data.test={test} is not valid: expected 0 (no test split) to {n - 1} samples held out of "
+        raise UserError(f"{key}={test} is not valid: expected 0 (none) to {n - 1} samples held out of "
                         f"{what}'s {n} training samples")
     if not test:
         return torch.arange(n), None
