@@ -106,6 +106,7 @@ class DataConfig:
 @dataclass
 class DigitsData(DataConfig):
     _target_: str = "accutrain.data.digits"
+    test: int = 0  # training images held out as a test split, drawn by the seed (0: no test stage)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class SyntheticData(DataConfig):
     noise: float = 1.0
     seed: int = II("seed")
     target: str = "classes"  # classes | regression (num_classes floats) | multilabel (multi-hot over num_classes)
+    test: int = 0  # generated test samples (0: no test stage)
 
 
 @dataclass
@@ -127,6 +129,8 @@ class TorchvisionData(DataConfig):
     name: str = MISSING  # cifar10 | mnist
     root: str = "data"
     download: bool = False
+    test: bool = False  # true: the test split is the test stage's, validation val_size training images (by the seed)
+    val_size: int = 5000  # with test: the training images held out for validation
 
 
 @dataclass
@@ -139,6 +143,7 @@ class SequenceData(DataConfig):
     max_length: int = 32  # sequences are padded to this; padded positions are ignored by the loss
     seed: int = II("seed")
     pad_target: int = II("loss.ignore_index")
+    test: int = 0  # generated test sequences (0: no test stage)
 
 
 @dataclass
@@ -157,6 +162,7 @@ class TextData(DataConfig):
     label_field: Optional[str] = "label"  # records carrying it make a sequence classification set
     seed: int = II("seed")
     ignore_index: int = II("loss.ignore_index")
+    test: Optional[str] = None  # a test file, evaluated at the end (null: no test stage)
 
 
 @dataclass
@@ -186,6 +192,8 @@ class HFData(DataConfig):
     cache_dir: Optional[str] = None  # where datasets caches what it reads and tokenizes; null: its default
     seed: int = II("seed")
     ignore_index: int = II("loss.ignore_index")
+    test: Optional[str] = None  # test records (as train is read), evaluated at the end (null: no test stage)
+    test_split: str = "test"  # the split of a dataset name or a DatasetDict directory that test reads
 
 
 @dataclass
@@ -194,6 +202,7 @@ class ImageFolderData(DataConfig):
     root: str = MISSING
     image_size: int = 224
     channels: int = 3
+    test: Optional[str] = None  # a test folder (<class>/<image>), under root or a path (null: no test stage)
 
 
 # --- optim/ and sched/ --------------------------------------------------------------------------------

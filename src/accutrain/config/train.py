@@ -152,8 +152,9 @@ class TrainerConfig:
     # The grace a stop signal leaves before the kill: a window that would end within half of it is finished, a longer
     # one abandoned (its partial gradients dropped, the last completed step checkpointed; the resume redoes it).
     stop_grace_s: float = 60.0
-    export: Optional[str] = None  # hf: save_pretrained (model and tokenizer; an adapter as PEFT saves it) into the run
-    # directory's hf/ at the end; merged: an adapted model with its adapter merged into the weights
+    export: Optional[str] = None  # weights: the model's weights alone, <run dir>/model.safetensors, at the end; hf:
+    # save_pretrained (model and tokenizer; an adapter as PEFT saves it) into the run directory's hf/; merged: an
+    # adapted model with its adapter merged into the weights
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
     tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
     compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once

@@ -85,9 +85,9 @@ def validate(cfg: DictConfig) -> None:
     if not t.stop_grace_s >= 0:  # NaN too
         raise UserError(f"trainer.stop_grace_s={t.stop_grace_s} is not valid: expected the seconds a stop signal "
                         "leaves before the kill, 0 or more (0: a window in progress is always abandoned)")
-    if t.get("export") not in (None, "hf", "merged"):
-        raise UserError(f"trainer.export={t.export} is not valid: expected hf (save_pretrained at the end), merged "
-                        "(an adapted model with its adapter merged in) or null")
+    if t.get("export") not in (None, "hf", "merged", "weights"):
+        raise UserError(f"trainer.export={t.export} is not valid: expected weights (model.safetensors at the end), hf "
+                        "(save_pretrained), merged (an adapted model with its adapter merged in) or null")
     if t.memory_budget_mb is not None and not t.memory_budget_mb > 0:
         raise UserError(f"trainer.memory_budget_mb={t.memory_budget_mb} is not valid: expected a positive size")
     if cfg.batchnorm.groups < 1:
@@ -218,7 +218,7 @@ def validate_strategy(cfg: DictConfig) -> None:
          "accutrain's exact accumulation; use strategy=ddp to compile"),
         (t.noise_scale, "trainer.noise_scale=true", "FSDP's gradients are sharded and reduced as they arrive, so a "
          "micro-batch's own gradient is never whole on a rank; use strategy=ddp to measure the noise scale"),
-        (t.get("export") is not None, f"trainer.export={t.get('export')}", "save_pretrained needs the whole model in "
+        (t.get("export") is not None, f"trainer.export={t.get('export')}", "exporting needs the whole model in "
          "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
     ]
     for bad, key, remedy in refused:

@@ -48,7 +48,8 @@ def returned(made: Any, target: str) -> Datasets:
     if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 2:
         raise UserError(f"data._target_={target} returned num_classes={n!r}: expected an integer, 2 or more (with "
                         "one class cross-entropy is 0 whatever the model says)")
-    for split, dataset in (("training", made.train), ("held-out", made.val)):
+    for split, dataset in (("training", made.train), ("held-out", made.val)) + ((("test", made.test),)
+                                                                               if made.test is not None else ()):
         try:
             size = len(dataset)
         except TypeError:
@@ -57,7 +58,7 @@ def returned(made: Any, target: str) -> Datasets:
         if size == 0:
             raise UserError(f"data._target_={target}: its {split} split is empty (0 samples): "
                             + ("training needs samples" if split == "training" else
-                               "evaluation needs at least one sample (val_loss and val_acc are means over it)"))
+                               "evaluation needs at least one sample (its loss and accuracy are means over it)"))
     return made
 
 

@@ -3,10 +3,9 @@ the train loader walks windows (accutrain.core.windows)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -15,80 +14,37 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from accutrain.config.schemas import Crop
 from accutrain.core.samples import NamedCollate, NamedSubset
+from accutrain.data.splits import Datasets, InMemory, loader_workers, test_generator, test_indices  # noqa: F401 (re-exported)
 from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.errors import UserError
 from accutrain.seeding import generator
 
 
-@dataclass
-class Datasets:
-    """What a `data` factory returns: two splits of items — (input, target) pairs, or mappings whose target is
-    under `loader.target_key` and whose other keys (or `loader.input_keys`) are the model's keyword inputs. A target
-    is a class index per sample, or per element (a sequence's tokens, an image's pixels) for element-level
-    losses."""
-
-    train: Dataset
-    val: Dataset
-    num_classes: int
-    sample_shape: tuple[int, ...]  # one input's shape: channels, height, width for images
-    description: str
-    extra: dict[str, Any] = field(default_factory=dict)  # more data-derived model arguments (vocab_size, …)
-    collate: Optional[Callable[[list], Any]] = None  # items → one micro-batch; None: torch's default_collate
-    tokenizer: Any = None  # saved beside an exported model (trainer.export=hf)
-    classes: str = "classes"  # what num_classes counts, for the log ("tokens in the vocabulary")
-    images: Optional[ImageSource] = None  # image data: what augment= makes its views from (accutrain.data.views)
-    decoded: bool = False  # each item is read or decoded when asked (files, PIL images): loader workers help
-
-
-def loader_workers(setting: Any, datasets: Datasets, devices: int) -> int:
-    """loader.num_workers: a number as given; auto: min(4, cores per device − 1) for data read or decoded per item,
-    else 0 (items already in memory: a worker would add only its start-up and the copy between processes)."""
-    if setting != "auto":
-        return int(setting)
-    if not datasets.decoded:
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, min(4, cores // max(1, devices) - 1))
-
-
-class InMemory(Dataset):
-    """Images and labels held as two tensors."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        assert len(images) == len(labels)
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[i], self.labels[i]
-
-    def gather(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples `indices` at once: bit for bit what default_collate stacks from their items, one indexing per
-        tensor instead of a Python call per sample (the train loader's micro-batches, accutrain.core.windows)."""
-        index = torch.tensor(indices, dtype=torch.int64)
-        return self.images.index_select(0, index), self.labels.index_select(0, index)
-
-
-def digits() -> Datasets:
-    """The UCI handwritten digits that ship with accutrain (1,797 8×8 images, fixed 359-image held-out split)."""
+def digits(test: int = 0, seed: int = 0) -> Datasets:
+    """The UCI handwritten digits that ship with accutrain (1,797 8×8 images, fixed 359-image held-out split);
+    `test` > 0 holds that many of the 1,438 training images out as a test split, drawn by the seed."""
     with resources.files("accutrain").joinpath("assets/digits.npz").open("rb") as f:
         npz = np.load(f)
         images = torch.from_numpy(npz["images"].astype(np.float32) / 16.0).unsqueeze(1)
         labels = torch.from_numpy(npz["labels"].astype(np.int64))
         val = torch.from_numpy(npz["val"])
-    mean, std = images[~val].mean(), images[~val].std()
-    source = ImageSource(InMemory(images[~val], labels[~val]), InMemory(images[val], labels[val]), size=8,
-                         mean=(float(mean),), std=(float(std),), mirror=False)
-    images = (images - mean) / std
+    train_images, train_labels = images[~val], labels[~val]
+    kept, held = test_indices(len(train_labels), test, seed, "digits")
+    mean, std = train_images[kept].mean(), train_images[kept].std()
+    raw = {split: InMemory(x, y) for split, (x, y) in dict(
+        train=(train_images[kept], train_labels[kept]), val=(images[val], labels[val]),
+        test=(train_images[held], train_labels[held]) if held is not None else (None, None)).items() if x is not None}
+    source = ImageSource(raw["train"], raw["val"], size=8, mean=(float(mean),), std=(float(std),), mirror=False,
+                         test=raw.get("test"))
+    normal = {split: InMemory((d.images - mean) / std, d.labels) for split, d in raw.items()}
     return Datasets(
-        train=InMemory(images[~val], labels[~val]),
-        val=InMemory(images[val], labels[val]),
+        train=normal["train"],
+        val=normal["val"],
         num_classes=10,
         sample_shape=(1, 8, 8),
         description="digits (UCI optdigits, CC BY 4.0)",
         images=source,
+        test=normal.get("test"),
     )
 
 
@@ -122,17 +78,20 @@ TARGETS = ("classes", "regression", "multilabel")
 
 def synthetic(
     size: int, val_size: int, image_size: int, num_classes: int, channels: int, noise: float, seed: int,
-    target: str = "classes",
+    target: str = "classes", test: int = 0,
 ) -> Datasets:
     """Generated images whose label is learnable from their content; the same seed gives the same data. `target`:
     the class index (classes), or a fixed random row per class — num_classes Gaussian values (regression, for
-    loss=mse|l1|huber) or a multi-hot set of about a third of the classes (multilabel, for loss=bce)."""
+    loss=mse|l1|huber) or a multi-hot set of about a third of the classes (multilabel, for loss=bce). `test` > 0:
+    that many more samples as a test split (the training and validation samples stay those of a run without)."""
     if target not in TARGETS:
         raise UserError(f"data.target={target} is not valid: expected one of {', '.join(TARGETS)}")
     for key, value in dict(size=size, val_size=val_size, image_size=image_size, num_classes=num_classes,
                            channels=channels).items():
         if value < 1:
             raise UserError(f"data.{key}={value} is not valid: expected a positive integer")
+    if test < 0:
+        raise UserError(f"data.test={test} is not valid: expected 0 (no test split) or the number of test samples")
     g = torch.Generator().manual_seed(seed)
     coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
     prototypes = F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
@@ -141,26 +100,44 @@ def synthetic(
              if target == "regression" else (torch.rand(num_classes, num_classes, generator=g) < 1 / 3).float())
     train = Synthetic(prototypes, labels[:size], noise, seed, offset=0, table=table)
     val = Synthetic(prototypes, labels[size:], noise, seed, offset=size, table=table)
-    if (size + val_size) * prototypes[0].numel() * 4 <= SYNTHETIC_IN_MEMORY_BYTES:  # generate once, hold it
-        train, val = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.targets()) for d in (train, val))
+    held = (Synthetic(prototypes, torch.randint(num_classes, (test,), generator=test_generator(seed)), noise, seed,
+                      offset=size + val_size, table=table) if test else None)
+    if (size + val_size + test) * prototypes[0].numel() * 4 <= SYNTHETIC_IN_MEMORY_BYTES:  # generate once, hold it
+        train, val, held = (InMemory(torch.stack([d[i][0] for i in range(len(d))]), d.targets()) if d is not None
+                            else None for d in (train, val, held))
     return Datasets(train, val, num_classes, (channels, image_size, image_size),
                     f"synthetic ({num_classes} classes{'' if table is None else ', ' + target + ' targets'}, seed "
                     f"{seed})",
-                    images=ImageSource(train, val, image_size, (0.0,) * channels, (1.0,) * channels))
+                    images=ImageSource(train, val, image_size, (0.0,) * channels, (1.0,) * channels, test=held),
+                    test=held)
 
 
 def sequences(size: int, val_size: int, vocab: int, min_length: int, max_length: int, seed: int,
-              pad_target: int = -100) -> Datasets:
+              pad_target: int = -100, test: int = 0) -> Datasets:
     """Generated token sequences of varying length: each next token follows a random (seeded) bigram table, and
     the target of every position is the next token. Sequences are padded to max_length with token 0, whose
-    targets are `pad_target` (the loss's ignore_index): a per-element loss whose element count varies."""
+    targets are `pad_target` (the loss's ignore_index): a per-element loss whose element count varies. `test` > 0:
+    that many more sequences as a test split (the training and validation ones stay those of a run without)."""
     if vocab < 2 or not 1 <= min_length <= max_length:
         raise UserError(f"data: need vocab >= 2 and 1 <= min_length <= max_length, got vocab={vocab}, "
                         f"min_length={min_length}, max_length={max_length}")
+    if test < 0:
+        raise UserError(f"data.test={test} is not valid: expected 0 (no test split) or the number of test sequences")
     g = torch.Generator().manual_seed(seed)
     table = torch.softmax(3 * torch.randn(vocab, vocab, generator=g), dim=1)
     table[:, 0] = 0  # token 0 is padding, never generated
-    n = size + val_size
+    inputs, targets = bigram_sequences(table, size + val_size, min_length, max_length, pad_target, g)
+    held = (InMemory(*bigram_sequences(table, test, min_length, max_length, pad_target, test_generator(seed)))
+            if test else None)
+    return Datasets(InMemory(inputs[:size], targets[:size]), InMemory(inputs[size:], targets[size:]), vocab,
+                    (max_length,), f"sequences (vocab {vocab}, length {min_length}–{max_length}, seed {seed})",
+                    extra=dict(vocab_size=vocab), classes="tokens in the vocabulary", test=held)
+
+
+def bigram_sequences(table: torch.Tensor, n: int, min_length: int, max_length: int, pad_target: int,
+                     g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """n sequences drawn from the bigram `table` with `g`: (inputs, next-token targets), padded to max_length."""
+    vocab = len(table)
     lengths = torch.randint(min_length, max_length + 1, (n,), generator=g)
     tokens = torch.zeros(n, max_length + 1, dtype=torch.int64)
     tokens[:, 0] = torch.randint(1, vocab, (n,), generator=g)
@@ -169,9 +146,7 @@ def sequences(size: int, val_size: int, vocab: int, min_length: int, max_length:
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     padded = torch.arange(max_length)[None, :] >= lengths[:, None]
     inputs[padded], targets[padded] = 0, pad_target
-    return Datasets(InMemory(inputs[:size], targets[:size]), InMemory(inputs[size:], targets[size:]), vocab,
-                    (max_length,), f"sequences (vocab {vocab}, length {min_length}–{max_length}, seed {seed})",
-                    extra=dict(vocab_size=vocab), classes="tokens in the vocabulary")
+    return inputs, targets
 
 
 _TORCHVISION = {
@@ -182,8 +157,11 @@ _TORCHVISION = {
 }
 
 
-def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
-    """CIFAR-10 or MNIST through torchvision, from `root` (downloaded there when `download` is true)."""
+def torchvision_dataset(name: str, root: str, download: bool, test: bool = False, val_size: int = 5000,
+                        seed: int = 0) -> Datasets:
+    """CIFAR-10 or MNIST through torchvision, from `root` (downloaded there when `download` is true); the held-out
+    split is torchvision's test split, or with `test` the test stage's, and `val_size` training images, drawn by the
+    seed, the held-out split."""
     if name not in _TORCHVISION:
         raise UserError(f"data.name={name!r} is not valid: expected one of {', '.join(_TORCHVISION)}")
     import torchvision
@@ -203,10 +181,15 @@ def torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
         ) from None
     except OSError as e:  # download failed: no network, no write permission, ...
         raise UserError(f"could not download {name} to {root_path}: {e}") from None
-    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"], mirror=spec.get("mirror", True))
+    held = None
+    if test:  # the official test split is tested once, at the end; validation is held out of the training split
+        kept, out = test_indices(len(train), val_size, seed, name, key="data.val_size")
+        train, val, held = Subset(train, kept.tolist()), Subset(train, out.tolist()), val
+    source = ImageSource(train, val, spec["shape"][-1], spec["mean"], spec["std"], mirror=spec.get("mirror", True),
+                         test=held)
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), spec["classes"], spec["shape"], f"{name} ({root_path})",
-                    images=source, decoded=True)
+                    images=source, decoded=True, test=Views(held, view) if held is not None else None)
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -229,41 +212,49 @@ def read_image(path: str) -> Any:
         raise UserError(f"cannot read image {path}: {e}") from None
 
 
-def image_folder(root: str, image_size: int, channels: int) -> Datasets:
-    """Images in `root/train/<class>/` and `root/val/<class>/`, resized and centre-cropped to image_size."""
+def image_folder(root: str, image_size: int, channels: int, test: Optional[str] = None) -> Datasets:
+    """Images in `root/train/<class>/` and `root/val/<class>/`, resized and centre-cropped to image_size; `test`: a
+    folder of the same classes (a name under root, or a path) as the test split."""
     if channels not in (1, 3):
         raise UserError(f"data.channels={channels} is not valid for imagefolder: expected 1 or 3")
     from torchvision import datasets as tvd
     from torchvision.transforms import v2
 
     root_path = Path(os.path.expanduser(root)).resolve()
+    folders = {"train": root_path / "train", "val": root_path / "val"}
+    if test is not None:
+        folders["test"] = root_path / os.path.expanduser(test)
+        if not folders["test"].is_dir():
+            raise UserError(f"data.test={test}: no folder {folders['test']}; expected <class>/<image> folders there")
     for split in ("train", "val"):
-        if not (root_path / split).is_dir():
+        if not folders[split].is_dir():
             raise UserError(
                 f"data.root={root_path}: no {split}/ folder there; imagefolder expects "
                 f"{root_path}/train/<class>/<image> and {root_path}/val/<class>/<image>"
             )
     mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if channels == 3 else ((0.5,), (0.5,))
     splits = {}
-    for split in ("train", "val"):
+    for split, folder in folders.items():
         try:  # raw PIL images: the views (accutrain.data.views) are made from them
-            splits[split] = tvd.ImageFolder(str(root_path / split), loader=read_image)
+            splits[split] = tvd.ImageFolder(str(folder), loader=read_image)
         except FileNotFoundError:
             raise UserError(
-                f"no images found under {root_path / split}: expected class folders holding "
+                f"no images found under {folder}: expected class folders holding "
                 f"{', '.join(IMAGE_EXTENSIONS)} files"
             ) from None
     train, val = splits["train"], splits["val"]
-    if train.classes != val.classes:
-        raise UserError(
-            f"{root_path}: train/ and val/ hold different classes ({len(train.classes)} vs {len(val.classes)}): "
-            "every class needs a folder in both"
-        )
+    for split, other in splits.items():
+        if other.classes != train.classes:
+            raise UserError(
+                f"{root_path}: train/ and {folders[split].name}/ hold different classes ({len(train.classes)} vs "
+                f"{len(other.classes)}): every class needs a folder in each"
+            )
     source = ImageSource(train, val, image_size, mean, std, resize=True, crop=Crop.resized,
-                         convert=(v2.Grayscale(1) if channels == 1 else v2.Lambda(_to_rgb),))
+                         convert=(v2.Grayscale(1) if channels == 1 else v2.Lambda(_to_rgb),), test=splits.get("test"))
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), len(train.classes), (channels, image_size, image_size),
-                    f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source, decoded=True)
+                    f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source, decoded=True,
+                    test=Views(splits["test"], view) if "test" in splits else None)
 
 
 def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool, seed: int,
@@ -281,6 +272,7 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory:
 
 
 def describe_split_sizes(ds: Datasets) -> str:
-    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val, "
+    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val"
+            + (f" / {len(ds.test)} test" if ds.test is not None else "") + ", "
             f"{'×'.join(map(str, ds.sample_shape))}, {ds.num_classes} {ds.classes}")
 

@@ -95,8 +95,9 @@ def tokenize(batch: dict[str, list], tok: Any, kind: str, roles: dict[str, str],
 def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, split: str = "train",
             val_split: str = "validation", tokenizer: str = "bytes", max_length: int = 512, packing: Any = False,
             padding: str = "longest", columns: Optional[dict] = None, cache_dir: Optional[str] = None,
-            seed: int = 0, ignore_index: int = -100) -> Datasets:
-    """data=hf: `train` (and `val`, else `val_fraction` of `train` held out by the seed) read with `datasets`,
+            seed: int = 0, ignore_index: int = -100, test: Optional[str] = None, test_split: str = "test") -> Datasets:
+    """data=hf: `train` (and `val`, else `val_fraction` of `train` held out by the seed; `test` when given) read with
+    `datasets`,
     tokenized once (cached), as language modelling, prompt/response, chat or sequence-classification items."""
     check_lengths(max_length, padding)
     packing = packing_mode(packing)
@@ -111,13 +112,16 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
     else:
         kept, out = hold_out(len(source), val_fraction, seed)
         source, held = source.select(kept), source.select(out)
+    parts = [(source, train), (held, val or train)]
+    if test is not None:
+        parts.append((load(datasets, test, test_split, cache_dir, "data.test"), test))
     kind = task(source.column_names, roles, train)
     if packing and kind == "classes":
         raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry labels "
                         f"(data.columns.label={roles['label']})")
     tok = load_tokenizer(tokenizer)
     splits, names = [], None
-    for part, where in ((source, train), (held, val or train)):
+    for part, where in parts:
         missing = [roles[r] for r in {"chat": ("messages",), "classes": ("text", "label"), "text": ("text",),
                                       "pairs": ("prompt", "response")}[kind] if roles[r] not in part.column_names]
         if missing:

@@ -168,9 +168,10 @@ def as_items(samples: list[tuple], classes: Optional[list[int]], max_length: int
 
 def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: str, max_length: int, packing: Any,
               padding: str, text_field: str, prompt_field: str, response_field: str, label_field: Optional[str],
-              seed: int, ignore_index: int = -100) -> Datasets:
+              seed: int, ignore_index: int = -100, test: Optional[str] = None) -> Datasets:
     """data=text: a training file and a held-out file (or `val_fraction` of the training file, drawn by the seed),
-    tokenized; language modelling, or sequence classification when the records carry `label_field`."""
+    and a test file when `test` is given, tokenized; language modelling, or sequence classification when the records
+    carry `label_field`."""
     check_lengths(max_length, padding)
     packing = packing_mode(packing)
     records = read_records(train, "data.train")
@@ -179,6 +180,9 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
     else:
         kept, out = hold_out(len(records), val_fraction, seed)
         records, held_out = [records[i] for i in kept], [records[i] for i in out]
+    parts = [(records, train), (held_out, val or train)]
+    if test is not None:
+        parts.append((read_records(test, "data.test"), test))
     lm = not (label_field and label_field in records[0])
     if packing and not lm:
         raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry "
@@ -186,7 +190,7 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
     tok = load_tokenizer(tokenizer)
     fields = dict(text=text_field, prompt=prompt_field, response=response_field)
     splits, names = [], None
-    for part, where in ((records, train), (held_out, val or train)):
+    for part, where in parts:
         samples = encode(part, tok, fields, lm, ignore_index, where)
         classes = None
         if not lm:
@@ -216,6 +220,7 @@ def tokenized_datasets(splits: list[Tokenized], tok: Any, class_names: Optional[
                          length=max_length if padding == "max_length" else None)
     lm = class_names is None
     return Datasets(splits[0], splits[1], len(tok) if lm else len(class_names), (max_length,), description,
+                    test=splits[2] if len(splits) > 2 else None,
                     extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
                                **({} if lm else dict(class_names=class_names))),
                     collate=collate, tokenizer=tok, classes="tokens in the vocabulary" if lm else "classes")

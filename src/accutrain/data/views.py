@@ -37,6 +37,7 @@ class ImageSource:
     resize: bool = False  # raw images vary in size: the fixed view resizes the shorter side, then centre-crops
     crop: Crop = Crop.pad  # what augment.crop=auto means for this data: resized (photos) or pad (small images)
     mirror: bool = True  # a horizontal mirror keeps every class (False for digits: augment.flip=auto does not flip)
+    test: Optional[Dataset] = None  # the test split's raw items (data.test), seen through the held-out split's view
 
 
 class Views(Dataset):
@@ -202,7 +203,9 @@ def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 
         mean, std = source.mean, source.std
         return dataclasses.replace(datasets, train=Views(source.train, random_view(source, augment, mean, std), seed,
                                                          copies),
-                                   val=Views(source.val, random_view(source, augment, mean, std), seed, copies))
+                                   val=Views(source.val, random_view(source, augment, mean, std), seed, copies),
+                                   test=Views(source.test, random_view(source, augment, mean, std), seed, copies)
+                                   if source.test is not None else None)
     if source is None:
         if is_random(augment, None) or augment.flip is True or augment.eval_crop_ratio != 1.0:
             key = (f"augment.crop={augment.crop.name}" if augment.crop is not Crop.none else
@@ -213,7 +216,7 @@ def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 
         return datasets
     pretrained = pretrained_normalisation(model_cfg, datasets.sample_shape[0])
     mean, std = pretrained or (source.mean, source.std)
-    train, val = datasets.train, datasets.val
+    train, val, test = datasets.train, datasets.val, datasets.test
     if is_random(augment, source):
         if warning := ruinous(augment, source):
             log.warning(warning)
@@ -221,5 +224,7 @@ def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 
     elif pretrained:
         train = Views(source.train, fixed_view(source, 1.0, mean, std))
     if augment.eval_crop_ratio != 1.0 or pretrained:
-        val = Views(source.val, fixed_view(source, augment.eval_crop_ratio, mean, std))
-    return dataclasses.replace(datasets, train=train, val=val)
+        view = fixed_view(source, augment.eval_crop_ratio, mean, std)
+        val = Views(source.val, view)
+        test = Views(source.test, view) if source.test is not None else test
+    return dataclasses.replace(datasets, train=train, val=val, test=test)

@@ -183,6 +183,20 @@ class FSDP(Strategy):
             state["ema"] = {**ema.state_dict(weights=False), "weights": whole}
         return state, None
 
+    def load_weights(self, model: nn.Module, ema: Optional[EMA], state: dict[str, Any], path: Path) -> None:
+        if state.get("sharded"):
+            has_ema = ema is not None and state.get("ema") is not None
+            shards = state_dicts.read_sharded(path, {"model": get_model_state_dict(model),
+                                                     **({"ema": {"weights": ema.weights}} if has_ema else {})})
+            set_model_state_dict(model, shards["model"])
+            if has_ema:
+                ema.load_state_dict({**state["ema"], **shards["ema"]})
+            return
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict({**state["ema"], "weights": {key: shard_of(state["ema"]["weights"][key], value)
+                                                             for key, value in ema.weights.items()}})
+
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Optional[EMA], state: dict[str, Any],
              path: Path) -> None:
         has_ema = ema is not None and state.get("ema") is not None

@@ -97,6 +97,18 @@ class Strategy:
         if ema is not None and state.get("ema"):
             ema.load_state_dict(state["ema"])
 
+    def load_weights(self, model: nn.Module, ema: Optional[EMA], state: dict[str, Any], path: Path) -> None:
+        """Load the weights (and their average) of a checkpoint for evaluation — best.pt, or a sharded best/ — into
+        the model; the optimizer is left as it is. Every rank calls it."""
+        if state.get("sharded"):
+            shards = state_dicts.read_sharded(path, {"model": model.state_dict(), **(
+                {"ema": {"weights": ema.weights}} if ema is not None and state.get("ema") else {})})
+            state = {**state, "model": shards["model"],
+                     "ema": {**state["ema"], **shards["ema"]} if "ema" in shards else None}
+        model.load_state_dict(state["model"])
+        if ema is not None and state.get("ema"):
+            ema.load_state_dict(state["ema"])
+
     def close(self) -> None:
         """Release what the strategy set up for the run."""
 

@@ -84,11 +84,20 @@ def cut_loss_axis(ax: "Axes", curves: list[tuple[str, list[tuple[int, float]]]])
             transform=ax.transAxes, fontsize="small", color="firebrick", wrap=True)
 
 
+DECADES = 30.0  # a loss axis whose values span this factor or more is drawn on a log scale
+
+
+def spans_decades(values: list[float]) -> bool:
+    """Whether positive `values` span DECADES or more (the first steps' loss dwarfing the rest on a linear axis)."""
+    return bool(values) and min(values) > 0 and max(values) >= DECADES * min(values)
+
+
 def run_figure(row: RunRow) -> "Figure":
     """Training loss per optimizer step (raw, and its moving average) and validation loss per evaluation, against
-    samples seen."""
-    fig = _figure(7, 4.2)
-    ax = fig.add_subplot()
+    samples seen — on a log scale when they span decades — and beside it, the validation metric (row.metric) with
+    the test stage's values."""
+    fig = _figure(11, 4.2) if row.metric_curve else _figure(7, 4.2)
+    ax = fig.add_subplot(1, 2, 1) if row.metric_curve else fig.add_subplot()
     if row.curve:
         span = smoothing_span(len(row.curve))
         label = "training loss per optimizer step" + (f" (faint), and its moving average over ~{span} steps"
@@ -96,13 +105,35 @@ def run_figure(row: RunRow) -> "Figure":
         draw_loss(ax, row.curve, label)
     if row.val_curve:
         ax.plot(*zip(*row.val_curve), "o-", ms=4, label="validation loss")
-    cut_loss_axis(ax, [("training loss", row.curve)] if row.curve else [])
+    if spans_decades(_finite(row.curve) + _finite(row.val_curve)):
+        ax.set_yscale("log")
+    else:
+        cut_loss_axis(ax, [("training loss", row.curve)] if row.curve else [])
     effective = f", effective batch {row.effective}" if row.effective else ""
-    ax.set(title=f"{row.job}: {row.status}{effective}", xlabel="samples seen", ylabel="loss")
+    ax.set(title=f"{row.job}: {row.status}{effective}", xlabel="samples seen",
+           ylabel="loss (log scale)" if ax.get_yscale() == "log" else "loss")
     if row.curve or row.val_curve:
-        ax.legend(fontsize="small", loc="upper left")
+        ax.legend(fontsize="small", loc="upper right" if ax.get_yscale() == "log" else "upper left")
     ax.grid(alpha=0.3)
+    if row.metric_curve:
+        draw_metric(fig.add_subplot(1, 2, 2), row)
     return fig
+
+
+def draw_metric(ax: "Axes", row: RunRow) -> None:
+    """The validation metric per evaluation against samples seen, and the test stage's of the last and the best
+    weights, at the end."""
+    name = str(row.metric)
+    ax.plot(*zip(*row.metric_curve), "o-", ms=4, color="tab:green", label=name.replace("_", " ", 1))
+    test = row.test or {}
+    end = row.metric_curve[-1][0]
+    for suffix, marker, what in (("", "s", "last"), ("_best", "*", "best")):
+        value = test.get("test" + name.removeprefix("val") + suffix)
+        if isinstance(value, (int, float)):
+            ax.plot([end], [value], marker, ms=9, ls="none", label=f"test, {what} weights: {value:.4g}")
+    ax.set(title=name, xlabel="samples seen", ylabel=name)
+    ax.legend(fontsize="small", loc="best")
+    ax.grid(alpha=0.3)
 
 
 def plot_run(row: RunRow, out: Path) -> None:

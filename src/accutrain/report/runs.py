@@ -53,6 +53,9 @@ class RunRow:
     wall_s: Optional[float] = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, training loss) per step
     val_curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, val loss) per evaluation
+    metric: Optional[str] = None  # the validation metric drawn beside the loss (the monitored one, unless a loss)
+    metric_curve: list[tuple[int, float]] = field(default_factory=list)  # (samples seen, its value) per evaluation
+    test: Optional[dict[str, Any]] = None  # the test stage's record (data.test)
     noise_curve: list[tuple[int, float, int]] = field(default_factory=list)  # (samples seen, B_simple, effective)
 
 
@@ -70,6 +73,41 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         elif "val_loss" in record or "val_acc" in record:
             evals[record["step"]] = record
     return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
+
+
+KINDS = ("plan", "step", "eval", "test")  # metrics.jsonl's records: the batch plan, optimizer steps, evaluations, test
+
+
+def record_kind(record: dict[str, Any]) -> Optional[str]:
+    """A metrics.jsonl record's kind: the one it says, or (a file written before records said one) what its keys
+    are: plan, step (a loss), eval (val_*); None for anything else."""
+    if isinstance(record.get("kind"), str):
+        return record["kind"]
+    return ("plan" if "plan" in record else "step" if "loss" in record else
+            "eval" if any(key.startswith("val_") for key in record) else None)
+
+
+def metrics_records(run_dir: str | Path, kind: Optional[str] = None) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (`run_dir` is the run directory or the file) of `kind` — plan, step,
+    eval or test; every record with None — in the file's order, each with its `kind` first."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {', '.join(KINDS)} (or None: every record)")
+    path = Path(run_dir)
+    path = path / METRICS_FILE if path.is_dir() else path
+    found = ((record_kind(record), record) for _, record in read_jsonl(path))
+    return [{"kind": own, **{k: v for k, v in record.items() if k != "kind"}} for own, record in found
+            if kind is None or own == kind]
+
+
+def metrics_frame(run_dir: str | Path, kind: Optional[str] = "step") -> Any:
+    """metrics_records(run_dir, kind) as a pandas DataFrame, a column per key (a plan record's keys as plan.effective,
+    plan.accum, …). Needs pandas (pip install pandas): metrics_records gives the same rows as dicts without it."""
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("accutrain.report.runs.metrics_frame needs pandas (pip install pandas); "
+                          "metrics_records gives the same records as dicts") from None
+    return pd.json_normalize(metrics_records(run_dir, kind))
 
 
 def read_overrides(run_dir: Path) -> list[str]:
@@ -143,7 +181,20 @@ def read_run(run_dir: Path, job: str) -> RunRow:
         row.best, row.best_step = best.get("value"), best.get("step")
     row.val_curve = [(seen_at[r["step"]], r["val_loss"]) for r in evals  # null: a value that was not finite
                      if r["step"] in seen_at and isinstance(r.get("val_loss"), (int, float))]
+    row.metric = beside_the_loss(row.monitor, evals)
+    row.metric_curve = [(seen_at[r["step"]], r[row.metric]) for r in evals
+                        if r["step"] in seen_at and isinstance(r.get(row.metric), (int, float))] if row.metric else []
+    row.test = next((r for r in reversed(metrics_records(run_dir, "test"))), None)
     return row
+
+
+def beside_the_loss(monitor: Optional[str], evals: list[dict[str, Any]]) -> Optional[str]:
+    """The validation metric loss.png draws beside the loss: the monitored one, unless it is a loss; else the first
+    the evaluations hold of accuracy, F1, MAE, recall@1."""
+    held = {key for r in evals for key in r}
+    if monitor and monitor in held and not monitor.startswith("val_loss"):
+        return monitor
+    return next((name for name in ("val_acc", "val_f1", "val_mae", "val_recall1") if name in held), None)
 
 
 def is_run_dir(path: Path) -> bool:

@@ -31,8 +31,24 @@ def _monitored(r: RunRow) -> str:
     return MISSING_VALUE if r.best is None else f"{r.monitor} {r.best:.4f} (step {r.best_step})"
 
 
+def tested(r: RunRow) -> tuple[Optional[str], Optional[float], Optional[float]]:
+    """The test stage's monitored metric (val_acc → test_acc; else test_loss) and its values with the last and the
+    best weights; (None, None, None) for a run without a test split."""
+    if not r.test:
+        return None, None, None
+    name = "test" + (r.monitor or "val_loss").removeprefix("val")
+    name = name if name in r.test else "test_loss"
+    return name, r.test.get(name), r.test.get(f"{name}_best")
+
+
+def header(rows: list[RunRow]) -> list[str]:
+    """HEADER, and a last column for the test stage when a run had one."""
+    return HEADER + (["test: last / best weights"] if any(r.test for r in rows) else [])
+
+
 def table_cells(rows: list[RunRow]) -> list[list[str]]:
-    """One list of formatted cells per run, in HEADER's order; the overrides column leaves out the shared ones."""
+    """One list of formatted cells per run, in header(rows)'s order; the overrides column leaves out the shared
+    ones."""
     common = set(common_overrides(rows))
     cells = []
     for r in rows:
@@ -44,13 +60,17 @@ def table_cells(rows: list[RunRow]) -> list[list[str]]:
             _with_ema(r.best_val_acc, r.best_val_acc_ema), _fmt(r.samples_per_s, 0), _fmt(r.peak_mem_mb, 0),
             _fmt(r.wall_s, 1), _monitored(r), r.status,
         ])
+        if len(header(rows)) > len(HEADER):
+            name, last, best = tested(r)
+            cells[-1].append(MISSING_VALUE if name is None else f"{name} {_fmt(last, 4)} / {_fmt(best, 4)}")
     return cells
 
 
 def markdown_table(rows: list[RunRow]) -> str:
     """A Markdown table whose columns are padded, so that it reads as well in a terminal."""
     body = [[c.replace("|", "\\|") for c in line] for line in table_cells(rows)]
-    widths = [max(len(line[i]) for line in [HEADER, *body]) for i in range(len(HEADER))]
+    head = header(rows)
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
     numeric = set(range(2, 11))
 
     def line(cells: list[str]) -> str:
@@ -58,7 +78,7 @@ def markdown_table(rows: list[RunRow]) -> str:
         return "| " + " | ".join(padded) + " |"
 
     rule = "|" + "|".join(("-" * (w + 1) + ":") if i in numeric else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(HEADER), rule, *(line(cells) for cells in body)])
+    return "\n".join([line(head), rule, *(line(cells) for cells in body)])
 
 
 def overview(rows: list[RunRow], root: Path) -> str:
@@ -99,7 +119,8 @@ def markdown(rows: list[RunRow], root: Path, image: Optional[str]) -> str:
     parts.append("final loss: training loss of the last optimizer step (the window's sample-weighted mean); "
                  "best val loss/acc: over the evaluations (ema: of the averaged weights, with trainer.ema); "
                  "best (monitored): trainer.monitor's best evaluation, the one checkpoints/best.pt holds; "
-                 "samples/s: median over optimizer steps; "
+                 "samples/s: median over optimizer steps; test (with data.test): the monitored metric on the "
+                 "test split, of the last weights and of best.pt's; "
                  "peak mem: the largest `peak_mem_mb` in metrics.jsonl; wall: from start to end (or to now).")
     if image:
         parts.append(f"![training loss, peak memory and samples/s]({image})")
@@ -113,8 +134,9 @@ CSV_FIELDS = ["job", "path", "overrides", "effective_batch", "micro_batch", "acc
 
 def write_csv(rows: list[RunRow], path: Path) -> None:
     """Every override of every run (not only those that differ), unrounded numbers, empty where unknown."""
+    fields = CSV_FIELDS + (["test_metric", "test_last", "test_best"] if any(r.test for r in rows) else [])
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for r in rows:
             values = dict(job=r.job, path=str(r.path), overrides=" ".join(r.overrides), effective_batch=r.effective,
@@ -124,6 +146,8 @@ def write_csv(rows: list[RunRow], path: Path) -> None:
                           monitor=r.monitor, best=r.best, best_step=r.best_step, samples_per_s=r.samples_per_s,
                           peak_mem_mb=r.peak_mem_mb, wall_s=r.wall_s,
                           status=r.status, error=r.error)
+            if len(fields) > len(CSV_FIELDS):
+                values.update(zip(("test_metric", "test_last", "test_best"), tested(r)))
             writer.writerow({k: "" if v is None else v for k, v in values.items()})
 
 

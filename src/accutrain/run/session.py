@@ -20,6 +20,7 @@ from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import checkpoint
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
+from accutrain.store.weights import WEIGHTS_FILE, save_weights
 from accutrain.trackers import Trackers
 from accutrain.train import check
 from accutrain.train.build import build
@@ -27,6 +28,7 @@ from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
 from accutrain.train.metrics import MetricsLog, summary_line
 from accutrain.train.resume import checkpoint_state, resume_point, start_branch
+from accutrain.train.testing import headline, run_test
 
 log = logging.getLogger("accutrain")
 RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")  # what best.pt leaves out
@@ -66,10 +68,14 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     if world.main:
         trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None, monitor=c.monitor.metric)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
-    metrics.write(dict(plan=c.plan.record()))  # the plan as data, for reports (a resumed session adds its own)
+    metrics.write(dict(plan=c.plan.record()), "plan")  # the plan as data, for reports (a resumed session adds its own)
     try:
         with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
             out = fit(c, metrics, progress, save, stop)
+        if not out.stopped_by:  # the run's end: export the last weights, then test with them and the best ones
+            if world.main and cfg.trainer.export:
+                export(c, run_dir, out.progress.step)
+            out.test = run_test(c, metrics, out.progress, save.best_path())
     except NonFinite as e:
         trackers.finish("failed", progress)
         raise NonFinite(f"{e}; {save.last_good()}") from None
@@ -80,12 +86,6 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
         metrics.close()
     if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
         out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=c.device), world).item())
-    if world.main and cfg.trainer.export and not out.stopped_by:
-        from accutrain.models.hf import export
-
-        merged = cfg.trainer.export == "merged"
-        log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
-                 f"{export(c.model, c.tokenizer, run_dir / 'hf', merged=merged)}")
     if world.main:
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
                         out.peak_mb, noise_summary(c))
@@ -94,6 +94,22 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     if world.main:
         save.raise_if_the_last_failed()
     return out
+
+
+def export(c: Components, run_dir: Path, step: int) -> None:
+    """trainer.export: the trained model's weights alone (weights: run_dir/model.safetensors), or the model saved with
+    save_pretrained (hf, merged) into run_dir/hf."""
+    if c.trainer.export == "weights":
+        path = run_dir / WEIGHTS_FILE
+        size = save_weights(c.model.state_dict(), path, dict(step=step, model=c.cfg.model._target_))
+        log.info(f"exported the weights ({size / 2**20:.3g} MiB) to {path} (safetensors.torch.load_file, then "
+                 "load_state_dict)")
+        return
+    from accutrain.models.hf import export as save_pretrained
+
+    merged = c.trainer.export == "merged"
+    log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
+             f"{save_pretrained(c.model, c.tokenizer, run_dir / 'hf', merged=merged)}")
 
 
 def agree_on_run_dir(run_dir: Path, world: World) -> Path:
@@ -143,7 +159,9 @@ class Checkpoints:
                 self.rotation.commit(path)
         elif c.world.main:
             try:
-                path = self.rotation.save_best(for_evaluation(state)) if best else self.rotation.save(state, p.step)
+                epoch = p.last_epoch + 1  # the step's epoch, as the log and metrics.jsonl count it
+                path = (self.rotation.save_best(for_evaluation(state), f"epoch{epoch}-step{p.step}-{c.monitor.metric}"
+                                                f"{p.best:.4g}") if best else self.rotation.save(state, p.step, epoch))
                 if not best:
                     self.failure = None
             except OSError as e:
@@ -161,6 +179,10 @@ class Checkpoints:
                         count=len(self.failed), steps=self.failed[:10], last_step=p.step, error=e.strerror or str(e)))
         dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
         return path
+
+    def best_path(self) -> Path:
+        """Where the best evaluation's checkpoint is (best.pt; best/ when sharded)."""
+        return self.rotation.directory / ("best" if self.c.strategy.sharded_checkpoints else "best.pt")
 
     def raise_if_the_last_failed(self) -> None:
         """At the end: the checkpoints that could not be written, said; if the last one failed, UserError."""
@@ -215,8 +237,11 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
     log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens,
                           c.world.size)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else "")
+             + (f", {headline(out.test, monitor.metric)}" if out.test is not None else "")
              + (f", noise scale B_simple {noise['b_simple']:.4g} at effective batch {noise['effective']:.0f}"
                 if noise else ""))
+    if out.test is not None:
+        add_to_status(run_dir, test={k: v for k, v in out.test.items() if k != "kind"})
     if out.peak_mb:
         add_to_status(run_dir, peak_mem_mb=round(out.peak_mb, 1), peak_mem_of=(
             f"the most of {c.world.size} ranks" if c.world.size > 1 else "the one rank"))

@@ -31,6 +31,8 @@ log = logging.getLogger("accutrain")
 FORMAT = 2  # 2: the optimizer state keyed by parameter name; 1 (still read): numbered, as torch.optim numbers it
 READABLE = (1, 2)
 STEP_FILE = re.compile(r"^step-(\d{8})(\.pt)?$")  # a file, or a sharded checkpoint's directory
+# A step file's name for its user, a hard link beside it: epoch3-step180.pt; best.pt's: best-epoch3-step180-val_acc0.9666.pt
+NAMED_FILE = re.compile(r"^(best-)?epoch\d+-step(\d+)(-.+)?\.pt$")
 STATE_FILE = "state.pt"  # in a sharded checkpoint's directory: everything but the shards, written by rank 0
 ZIP_MAGIC = b"PK\x03\x04"
 REQUIRED = ("progress", "plan", "scheduler")  # besides the model (or shards): what resuming reads
@@ -64,15 +66,16 @@ def write_error(error: RuntimeError) -> BaseException:
     return error
 
 
-def load(path: Path, mmap: bool = False) -> dict[str, Any]:
+def load(path: Path, mmap: bool = False, evaluation: bool = False) -> dict[str, Any]:
     """Load a checkpoint without ever executing pickled code; a file that is not one is one clear line. A sharded
     checkpoint's directory gives its state.pt, marked `sharded` (the shards are read by the strategy). mmap: the
-    tensors are mapped from the file, read as they are used (every rank of a run can load it at little cost)."""
+    tensors are mapped from the file, read as they are used (every rank of a run can load it at little cost).
+    evaluation: the weights are what is wanted, so best.pt (no optimizer state) is accepted."""
     if path.is_dir():
         if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
             raise UserError(f"{path} is not a checkpoint: a sharded checkpoint is a directory holding .metadata and "
                             f"{STATE_FILE}")
-        state = load(path / STATE_FILE)
+        state = load(path / STATE_FILE, evaluation=evaluation)
         if problem := shards_problem(path):
             raise UserError(f"{path} is not whole: {problem}")
         return state
@@ -98,6 +101,8 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     if (not isinstance(state, dict) or state.get("format") not in READABLE
             or "model" not in state and not state.get("sharded")):
         raise UserError(f"{path} is not an accutrain checkpoint")
+    if evaluation:
+        return state
     if "optimizer" not in state and not state.get("sharded"):
         raise UserError(f"{path} holds the weights for evaluation only (best.pt keeps no optimizer state): resume "
                         "from last.pt or a step-*.pt of the same run")
@@ -141,9 +146,13 @@ class Rotation:
         files = [p for p in self.directory.iterdir() if STEP_FILE.match(p.name)]
         return sorted(files, key=step_number, reverse=True)
 
-    def save(self, state: dict[str, Any], step: int) -> Path:
+    def save(self, state: dict[str, Any], step: int, epoch: Optional[int] = None) -> Path:
+        """step-NNNNNNNN.pt (and last.pt, the same file), and with `epoch` (1-based, the step's) a name for its user,
+        epoch<E>-step<S>.pt, the same file again; the oldest beyond `keep` go, with their names."""
         path = self.directory / f"step-{step:08d}.pt"
         save_atomic(state, path)
+        if epoch is not None:
+            self.name(path, f"epoch{epoch}-step{step}.pt")
         last, tmp = self.directory / "last.pt", self.directory / ".last.pt.tmp"
         try:
             tmp.unlink(missing_ok=True)
@@ -169,17 +178,41 @@ class Rotation:
         self.prune()
 
     def prune(self) -> None:
-        for old in self.steps()[self.keep :]:
+        gone = self.steps()[self.keep :]
+        for old in gone:
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 old.unlink(missing_ok=True)
+        for named in self.named(lambda best, step: not best and step in {step_number(p) for p in gone}):
+            named.unlink(missing_ok=True)
 
-    def save_best(self, state: dict[str, Any]) -> Path:
-        """best.pt: the state at the best evaluation so far; never rotated away, never what resume=auto picks."""
+    def save_best(self, state: dict[str, Any], label: Optional[str] = None) -> Path:
+        """best.pt: the state at the best evaluation so far; never rotated away, never what resume=auto picks. With
+        `label` (epoch<E>-step<S>-<metric><value>) also best-<label>.pt, the same file, the previous best's name gone."""
         path = self.directory / "best.pt"
         save_atomic(state, path)
+        for old in self.named(lambda best, step: best):
+            old.unlink(missing_ok=True)
+        if label is not None:
+            self.name(path, f"best-{label}.pt")
         return path
+
+    def name(self, path: Path, name: str) -> None:
+        """Give the checkpoint file `path` a second name in its folder (a hard link: no second copy; no temporary
+        file, as nothing reads it back). Where the file system has no hard links, it keeps its one name."""
+        try:
+            (self.directory / name).unlink(missing_ok=True)
+            os.link(path, self.directory / name)
+        except OSError as e:
+            log.debug(f"{path} keeps its one name ({name}: {e})")
+
+    def named(self, which: Any = None) -> list[Path]:
+        """The checkpoints' names for their users (epoch<E>-step<S>.pt, best-….pt) that `which(best, step)` picks."""
+        if not self.directory.is_dir():
+            return []
+        found = [(p, NAMED_FILE.match(p.name)) for p in self.directory.iterdir()]
+        return [p for p, m in found if m and (which is None or which(bool(m.group(1)), int(m.group(2))))]
 
     def latest_good(self, passed: Optional[set[Path]] = None) -> Optional[tuple[Path, dict[str, Any]]]:
         """The newest checkpoint that loads, last.pt included (a last.pt that is no step file's link counts by the
@@ -215,6 +248,7 @@ class Rotation:
             path = self.directory / name
             if (path.exists() or path.is_symlink()) and self._step_held(path, later) > step:
                 later.append(path)
+        later += self.named(lambda best, held: held > step)
         if not later:
             return None
         aside = self.directory / f"{ABANDONED}{datetime.now():%Y%m%d-%H%M%S}"

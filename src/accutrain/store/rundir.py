@@ -24,14 +24,15 @@ RUN_FILES = (METRICS, STATUS_FILE, "config.yaml", "loss.png", "summary.md", "sum
 
 
 def checkpoint_files(run_dir: Path) -> list[Path]:
-    """The checkpoints (step-NNNNNNNN.pt, last.pt) and checkpoint temporary files in run_dir/checkpoints/."""
-    from accutrain.store.checkpoint import STEP_FILE  # (checkpoint imports torch: not needed for --help)
+    """The checkpoints (step-NNNNNNNN.pt, last.pt, their names epoch<E>-step<S>.pt and best-….pt) and checkpoint
+    temporary files in run_dir/checkpoints/."""
+    from accutrain.store.checkpoint import NAMED_FILE, STEP_FILE  # (checkpoint imports torch: not needed for --help)
 
     folder = run_dir / CHECKPOINTS
     if not folder.is_dir():
         return []
-    return [p for p in folder.iterdir()
-            if STEP_FILE.match(p.name) or p.name == "last.pt" or (p.name.startswith(".") and p.name.endswith(".tmp"))]
+    return [p for p in folder.iterdir() if STEP_FILE.match(p.name) or NAMED_FILE.match(p.name) or p.name == "last.pt"
+            or (p.name.startswith(".") and p.name.endswith(".tmp"))]
 
 
 def earlier_run(run_dir: Path) -> Optional[str]:

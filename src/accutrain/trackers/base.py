@@ -36,11 +36,12 @@ class RunInfo:
     saved: dict[str, Any] = field(default_factory=dict)  # what this tracker's start() returned in that session
 
     def history(self) -> Iterator[dict[str, Any]]:
-        """The step and evaluation records of metrics.jsonl up to `step`, in order: for a tracker that joins a
-        resumed run, or whose backend lost the tail of the killed session, to log again."""
+        """The step and evaluation records of metrics.jsonl up to `step`, in order, as they were logged (without the
+        file's `kind` but the test stage's): for a tracker that joins a resumed run, or whose backend lost the tail of
+        the killed session, to log again."""
         for _, record in read_jsonl(self.run_dir / "metrics.jsonl"):
             if isinstance(record.get("step"), int) and record["step"] <= self.step:
-                yield record
+                yield record if record.get("kind") == "test" else {k: v for k, v in record.items() if k != "kind"}
 
 
 @dataclass
@@ -63,7 +64,8 @@ class Tracker:
         """An optimizer step's metrics.jsonl record: step, epoch, loss (the window's mean), samples, lr, …"""
 
     def log_eval(self, record: dict[str, Any]) -> None:
-        """An evaluation's metrics.jsonl record: step, epoch, val_loss, val_acc."""
+        """An evaluation's metrics.jsonl record: step, epoch, val_loss, val_acc; at the end, the test stage's (kind
+        "test": test_loss, test_acc of the last weights, test_loss_best, test_acc_best of the best ones)."""
 
     def flush(self) -> None:
         """A checkpoint is about to be written: what was logged so far must survive a crash after it."""
@@ -74,17 +76,17 @@ class Tracker:
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """A metrics.jsonl record as the trackers' scalars: an optimizer step's numbers as `train/<key>` (`skipped` as 1 on
-    a step that was not taken, a non-finite value left out), an evaluation's `val_<key>` as `val/<key>`. The step is
-    the axis, not a scalar."""
+    a step that was not taken, a non-finite value left out), an evaluation's `val_<key>` as `val/<key>`, the test
+    stage's `test_<key>` as `test/<key>` (`test/acc_best`: the best weights'). The step is the axis, not a scalar."""
     evaluation = "loss" not in record
     out = {}
     for key, value in record.items():
-        if key == "step" or (evaluation and not key.startswith("val_")):
+        if key == "step" or (evaluation and not key.startswith(("val_", "test_"))):
             continue
         if key == "skipped":
             value = 1.0
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[f"val/{key[4:]}" if evaluation else f"train/{key}"] = float(value)
+            out["/".join(key.split("_", 1)) if evaluation else f"train/{key}"] = float(value)
     return out
 
 

@@ -25,6 +25,7 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import norms
 from accutrain.store.files import write_atomic
+from accutrain.train.console import wait_bar
 
 log = logging.getLogger("accutrain")
 
@@ -64,7 +65,17 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     fits = trial(model, optimizer, precision, batch_of, device, budget, loss, buffers)
     # BatchNorm in training cannot normalise one sample (one value per channel): the search starts at 2.
     smallest = 2 if window > 1 and norms.batchnorm_layers(model, training_only=True) else 1
-    found, notes = search_micro_batch(window, fits, budget, smallest)
+    tries = len([d for d in divisors(window) if d >= smallest])  # at most: the search stops at the first misfit
+    with wait_bar(total=tries, desc="micro_batch=auto: trial steps", unit="trial",
+                  enabled=cfg.trainer.progress and world.main) as bar:
+        def shown(size: int) -> tuple[bool, float]:
+            bar.set_postfix(micro_batch=size)
+            try:
+                return fits(size)
+            finally:
+                bar.update()
+
+        found, notes = search_micro_batch(window, shown, budget, smallest)
     log.info(f"micro_batch=auto: trial steps {'; '.join(notes)}")
     if world.size > 1:  # every rank tried on its own device: take the size that fits on all of them
         found = int(dist.all_reduce_min(torch.tensor(found, device=device), world).item())

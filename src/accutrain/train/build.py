@@ -72,9 +72,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     if getattr(loss, "shift_labels", False) and batches([datasets.train[0]]).target.dim() < 2:
         raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
                         "target per sample")
-    if trainer.export and not hasattr(model, "save_pretrained"):
+    if trainer.export in ("hf", "merged") and not hasattr(model, "save_pretrained"):
         raise UserError(f"trainer.export={trainer.export} needs a Hugging Face model (model=hf_causal_lm or "
-                        f"model=hf_seq_cls), not {cfg.model._target_}")
+                        f"model=hf_seq_cls), not {cfg.model._target_}; trainer.export=weights saves any model's "
+                        "weights")
     if trainer.export == "merged" and not getattr(model, "adapted", False):
         raise UserError("trainer.export=merged merges an adapter into the model: it needs model.adapter=lora "
                         "(trainer.export=hf saves a model trained whole)")
@@ -127,10 +128,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     loader = window_loader(datasets.train, sampler, workers, pin,
                            generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
                            stand_in=not synced and not strategy.lockstep)
-    val_share = Subset(datasets.val, range(world.rank, len(datasets.val), world.size))  # no padding: exact
-    val_loader = strategy.eval_batches(
-        data.eval_loader(val_share, trainer.eval_batch or eval_rows(plan, tokens), workers, pin, cfg.seed,
-                         collate=batches), lambda: batches([datasets.val[0]]).head(0))
+    val_loader, test_loader = (None if split is None else strategy.eval_batches(
+        data.eval_loader(Subset(split, range(world.rank, len(split), world.size)),  # no padding: exact
+                         trainer.eval_batch or eval_rows(plan, tokens), workers, pin, cfg.seed, collate=batches),
+        lambda split=split: batches([split[0]]).head(0)) for split in (datasets.val, datasets.test))
     for warning in (norms.batchnorm_warning(model, plan.micro_batch, plan.effective, world.size, synced),
                     pitfalls.dropout_warning(model, plan.micro_batch, plan.effective),
                     pitfalls.unshifted_labels_warning(loader.dataset.__getitems__(next(sampler.windows())[0])[1],
@@ -142,7 +143,8 @@ def build(cfg: DictConfig, world: World, device: torch.device, cache_dir: Option
     return Components(cfg, typed_trainer, scaling, world, plan, device, model, wrapped, strategy, optimizer, scheduler,
                       sampler, loader, val_loader, precision, buffers, loss, make_ema(trainer, model),
                       Monitor.from_config(trainer, loss.task, loss.monitor), datasets.tokenizer,
-                      make_noise_scale(typed_trainer, model, world, device, precision, plan, loss.elements))
+                      make_noise_scale(typed_trainer, model, world, device, precision, plan, loss.elements),
+                      test_loader)
 
 
 def eval_rows(plan: BatchPlan, tokens: Optional[TokenLengths]) -> int:

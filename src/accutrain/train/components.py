@@ -50,3 +50,4 @@ class Components:
     monitor: Monitor  # the evaluation metric best.pt and early stopping follow
     tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)
     noise: Optional[NoiseScale] = None  # the gradient noise scale's estimator (trainer.noise_scale)
+    test_loader: Optional[Any] = None  # the test split (data.test), every rank its share: evaluated at the end

@@ -1,4 +1,5 @@
-"""The terminal while a run trains: the progress bar over optimizer steps, and log lines that share stderr with it.
+"""The terminal while a run trains: the progress bar over optimizer steps, bars for the other waits (an evaluation,
+micro_batch=auto's trial steps), and log lines that share stderr with them.
 
 A log line never lands on the bar's line: the console handler lifts the bar (tqdm's external write mode), writes
 the line, and draws the bar again below it. A message's first line is what the console shows; the lines after it
@@ -79,3 +80,15 @@ class StepBar(tqdm):
             if not self.interactive and self.last_print_n == self.n:
                 self.leave = False  # nothing more to say: tqdm's close then clears (no line in a log)
         super().close()
+
+
+WAIT_DELAY_S = 1.0  # a wait's bar appears only once it has lasted this long: a short evaluation shows none
+
+
+def wait_bar(iterable: Any = None, total: Optional[int] = None, desc: str = "", unit: str = "it",
+             enabled: bool = True) -> tqdm:
+    """A bar for a wait a user sits through — the evaluation of a large split, micro_batch=auto's trial steps — on a
+    terminal only (none in a log file), drawn once the wait has lasted WAIT_DELAY_S, and gone when it ends (below
+    the step bar while that is drawn)."""
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, delay=WAIT_DELAY_S, dynamic_ncols=True,
+                disable=not (enabled and sys.stderr.isatty()), file=sys.stderr)

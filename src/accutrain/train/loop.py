@@ -31,6 +31,7 @@ from accutrain.errors import NonFinite, UserError
 from accutrain.models import norms, pitfalls
 from accutrain.signals import StopRequest
 from accutrain.train.components import Components
+from accutrain.train.console import wait_bar
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
 from accutrain.train.stopping import Abandoned, WindowWatch
@@ -48,6 +49,7 @@ class Outcome:
     checkpoint: Optional[Path] = None
     early_stop: bool = False  # trainer.early_stopping ended the run before its plan
     tokens: Optional[int] = None  # the loss terms this session trained on, when they are elements (tokens)
+    test: Optional[dict[str, Any]] = None  # the test stage's record (train/testing.py), when the run has a test split
 
 
 def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callable[..., Optional[Path]],
@@ -268,13 +270,16 @@ def run_validation(parts: Components, metrics: MetricsLog, progress: Progress) -
     return False
 
 
-def measure(parts: Components, suffix: str) -> dict[str, float]:
-    """The loss's metrics (val_loss, and val_acc, val_mae/val_rmse or val_f1; named with `suffix`) of the model's
-    current weights over the whole held-out split: every rank's sums added, then divided once."""
+def measure(parts: Components, suffix: str, loader: Optional[Iterable[Any]] = None, split: str = "val"
+            ) -> dict[str, float]:
+    """The loss's metrics (val_loss, and val_acc, val_mae/val_rmse or val_f1; named with `suffix`, and `split` in
+    place of val for another split's `loader`) of the model's current weights over the whole held-out split (or
+    `loader`'s): every rank's sums added, then divided once."""
+    loader = wait_bar(parts.val_loader if loader is None else loader, desc=f"evaluating ({split})", unit="batch",
+                      enabled=parts.trainer.progress and parts.world.main)
     if isinstance(parts.loss, ContrastiveLoss):  # the held-out split as one set of candidates
-        sums = evaluate_window(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss,
-                               parts.world.size)
+        sums = evaluate_window(parts.wrapped, loader, parts.device, parts.precision, parts.loss, parts.world.size)
     else:
-        sums = evaluate(parts.wrapped, parts.val_loader, parts.device, parts.precision, parts.loss)
+        sums = evaluate(parts.wrapped, loader, parts.device, parts.precision, parts.loss)
     measured = parts.loss.eval_metrics(dist.all_reduce_sum(sums, parts.world).tolist())
-    return {f"{name}{suffix}": value for name, value in measured.items()}
+    return {f"{split}{name.removeprefix('val')}{suffix}": value for name, value in measured.items()}

@@ -13,7 +13,8 @@ from accutrain.trackers import Trackers
 
 class MetricsLog:
     """Appends one JSON object per line (strict JSON: a value that is not finite, an infinite val_loss say, is
-    null); the optimizer steps' and evaluations' records go to the trackers as well, as measured.
+    null), each with its `kind` first — plan, step, eval or test (a dataframe's column: accutrain.report.runs.
+    metrics_frame); the optimizer steps' and evaluations' records go to the trackers as well, as measured.
 
     Step records are buffered and written together — every `FLUSH_RECORDS` records or `FLUSH_S` seconds, at each
     evaluation, before each checkpoint (the loop calls flush()) and at close — so a killed run loses only records
@@ -32,9 +33,9 @@ class MetricsLog:
         self.flushed = time.monotonic()
         self.failure: Optional[str] = None  # why the latest write failed, while it has not succeeded since
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Write `record` now, after the pending ones."""
-        self.pending.append(record)
+    def write(self, record: dict[str, Any], kind: Optional[str] = None) -> None:
+        """Write `record` now, after the pending ones (as a record of `kind`, when it says none itself)."""
+        self.pending.append(record if kind is None or "kind" in record else {"kind": kind, **record})
         self.flush()
 
     def flush(self) -> None:
@@ -69,14 +70,14 @@ class MetricsLog:
     def step(self, record: dict[str, Any]) -> None:
         """An optimizer step's record."""
         if self.file is not None:
-            self.pending.append(record)
+            self.pending.append({"kind": "step", **record})
             if len(self.pending) >= self.FLUSH_RECORDS or time.monotonic() - self.flushed >= self.FLUSH_S:
                 self.flush()
         self.trackers.log_step(record)
 
     def evaluation(self, record: dict[str, Any]) -> None:
-        """An evaluation's record."""
-        self.write(record)
+        """An evaluation's record (kind eval; the test stage's says kind test)."""
+        self.write(record, "eval")
         self.trackers.log_eval(record)
 
     def close(self) -> None:
