@@ -35,16 +35,18 @@ def test_documents_are_packed_whole_with_their_ids_and_no_label_across_a_boundar
     assert_one_line_user_error(info.value, "data.packing=yes is not valid: expected true")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_a_packed_block_gives_each_document_its_logits_and_loss_alone(kind, attention):
+def test_a_packed_block_gives_each_document_its_logits_and_loss_alone(kind, attention, device):
     from accutrain.models.hf import causal_lm
 
     torch.manual_seed(0)
-    model = causal_lm(32, config=dict(CONFIGS[kind]), dropout=0.0, attn_implementation=attention).eval()
+    model = causal_lm(32, config=dict(CONFIGS[kind]), dropout=0.0, attn_implementation=attention).eval().to(device)
     blocks = pack([(d, list(d)) for d in DOCS], 16, "documents", -100)
     batch = PadCollate(dict(input_ids=0, attention_mask=0, labels=-100, document_ids=0))(
         list(as_items(blocks, None, 16).items))
+    batch = {key: value.to(device) for key, value in batch.items()}  # on a GPU: sdpa's fused kernels take the mask
     labels = batch.pop("labels")
     with torch.no_grad():
         packed = model(**batch)  # (batch, vocabulary, length)
@@ -53,7 +55,7 @@ def test_a_packed_block_gives_each_document_its_logits_and_loss_alone(kind, atte
         for row, block in enumerate(blocks):
             start = 0
             for doc in (DOCS[:3] if row == 0 else DOCS[3:]):
-                ids = torch.tensor([doc])
+                ids = torch.tensor([doc], device=device)
                 logits = model(input_ids=ids, attention_mask=torch.ones_like(ids))
                 torch.testing.assert_close(packed[row, :, start : start + len(doc)], logits[0], atol=1e-5, rtol=1e-5)
                 alone_loss += float(loss(logits, ids))
