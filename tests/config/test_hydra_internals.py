@@ -72,6 +72,22 @@ def test_sweep_jobs_split_a_sweep_as_the_basic_sweeper_does(hydra):
     fenced("sweep_jobs", check)
 
 
+@pytest.mark.parametrize("overrides", [["accum=2"], ["accum=2", "hydra.mode=MULTIRUN"]])
+def test_known_mode_answers_what_get_mode_would_compose(hydra, overrides):
+    """Hydra.get_mode composes the config only to read hydra.mode: the checks' composition gives the same value."""
+    from hydra.types import RunMode
+
+    def check():
+        assert list(inspect.signature(type(hydra).get_mode).parameters) == ["self", "config_name", "overrides"]
+        mode = hydra.compose_config("train", overrides, run_mode=RunMode.RUN, from_shell=True).hydra.mode
+        assert hydra.get_mode("train", overrides) == mode
+        with hydra_internals.known_mode(mode):
+            assert hydra.get_mode("train", ["no_such_key=1"]) == mode  # answered, not composed
+        assert hydra.get_mode("train", ["no_such_key=1"]) is None  # the real one again (its composition fails)
+
+    fenced("known_mode", check)
+
+
 def test_only_the_fence_imports_hydras_private_modules():
     package = Path(accutrain.__file__).parent
     users = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "hydra._internal" in p.read_text())

@@ -150,16 +150,20 @@ def test_a_batch_arithmetic_mistake_is_one_line_from_the_command_line(tmp_path):
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
 
 
-def test_a_single_run_checks_its_values_once(tmp_path):
-    """The command line owns the checking: launch trusts the values and ranks it checked (one validate, not three)."""
-    code = ("import sys\nfrom accutrain.cli import command, main as cli\nfrom accutrain.run import launch\ncalls = []\n"
+def test_a_single_run_checks_its_values_once_and_composes_twice(tmp_path):
+    """The command line owns the checking: launch trusts the values and ranks it checked (one validate, not three);
+    Hydra composes the config once to run it, and not a third time to read its mode."""
+    code = ("import sys\nfrom accutrain.cli import command, main as cli\nfrom accutrain.run import launch\n"
+            "from hydra._internal.hydra import Hydra\ncalls, composed = [], []\n"
             "for module in (command, launch):\n"
             "    module.validate = lambda cfg, real=module.validate: (calls.append(1), real(cfg))[1]\n"
-            "sys.argv = ['accutrain', *sys.argv[1:]]\ncli.main()\nprint('validated', len(calls))")
+            "Hydra.compose_config = lambda *a, real=Hydra.compose_config, **k: (composed.append(1), real(*a, **k))[1]\n"
+            "sys.argv = ['accutrain', *sys.argv[1:]]\ncli.main()\nprint('validated', len(calls), 'composed', "
+            "len(composed))")
     proc = subprocess.run([sys.executable, "-c", code, *TINY, "trainer.max_steps=1", "trainer.progress=false",
                            f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "validated 1"
+    assert proc.stdout.strip().splitlines()[-1] == "validated 1 composed 2"
 
 
 @pytest.mark.slow

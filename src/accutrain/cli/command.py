@@ -34,6 +34,9 @@ checked: Optional[Any] = None
 # Hydra's record (.hydra/) of each run directory that holds an earlier run this command continues, as it was before
 # Hydra writes over it: put back when the command changes nothing (accutrain.store.status.recorded). By absolute path.
 earlier_records: dict[str, record.Files] = {}
+# The `hydra.mode` of the command line's composition, as a 1-tuple once check() has composed it (Hydra then need not
+# compose it again to read it: hydra_internals.known_mode).
+mode: Optional[tuple[Any]] = None
 
 
 def keep_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
@@ -229,8 +232,8 @@ def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str =
     """Check the command `prog argv` before Hydra runs it; print --version or --help and exit. decide: this process
     decides about the run directory (not torchrun's other ranks); run: the command trains (not accutrain-check).
     Returns the overrides to add for Hydra to use the output directory checked here. Raises UserError."""
-    global checked
-    checked = None
+    global checked, mode
+    checked, mode = None, None
     earlier_records.clear()
     if "--version" in argv:
         print(f"{prog} {__version__}")
@@ -247,6 +250,7 @@ def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str =
         base = compose(hydra, args, list(args.overrides), multirun)
         if args.info or args.shell_completion:
             return pins  # Hydra prints something and runs nothing
+        mode = (base.hydra.mode,)
         if multirun:
             check_sweep(hydra, base, decide, pins)
         else:

@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from accutrain.cli import command
+from accutrain.cli import command, hydra_internals
 from accutrain.cli.command import check, expand_home
 from accutrain.config.renames import renamed
 from accutrain.config.targets import plugin_failure
@@ -208,6 +208,14 @@ def before_hydra(prog: str, **checks: bool) -> None:
         sys.exit(2)
 
 
+def composed_once() -> ExitStack:
+    """Hydra told the mode the checks read from their composition (hydra_internals.known_mode), where they made one."""
+    stack = ExitStack()
+    if command.mode is not None:
+        stack.enter_context(hydra_internals.known_mode(command.mode[0]))
+    return stack
+
+
 def interruptible(prog: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
     """A KeyboardInterrupt the job did not answer (between a sweep's jobs, say) is one line and exit 130."""
     def wrap(command: Callable[[], None]) -> Callable[[], None]:
@@ -249,7 +257,8 @@ def check_main() -> None:
     before_hydra("accutrain-check", run=False)
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
                  "hydra/hydra_logging=disabled"]
-    _check()
+    with composed_once():
+        _check()
 
 
 @interruptible("accutrain")
@@ -264,7 +273,8 @@ def main() -> None:
         sys.argv.append("hydra.output_subdir=null")  # under torchrun, rank 0 alone records the run's config
     before_hydra("accutrain", decide=not torchrun_secondary())  # every rank composes; rank 0 decides
     SweepSummary.failed_jobs = 0
-    _train()
+    with composed_once():
+        _train()
     if SweepSummary.failed_jobs:  # a multirun whose summary counted failed jobs
         sys.exit(1)
 
