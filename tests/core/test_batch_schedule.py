@@ -102,6 +102,7 @@ def test_resuming_with_another_schedule_is_refused(tmp_path):
         train_here(tmp_path, "fixed", *TINY, "data.size=117", "micro_batch=16", f"resume={run_dir}")
 
 
+@pytest.mark.long  # a feature's resume: the core kill-and-resume test runs every time
 @pytest.mark.slow
 def test_killed_mid_ramp_and_resumed_ends_bit_identical(slow):
     args = [*(a for a in RUN if not a.startswith("accum=")), *RAMP]

@@ -214,6 +214,7 @@ def test_an_unknown_recipe_is_one_line_from_the_command_line(tmp_path):
     assert proc.returncode == 2
 
 
+@pytest.mark.long  # a feature's resume: the core kill-and-resume test runs every time
 @pytest.mark.slow
 def test_sigkilled_augmented_and_mixed_run_resumes_bit_identical(slow):
     args = [*RUN, "augment=crop_flip", "augment.padding=2", "augment.mixup_alpha=0.4", "augment.cutmix_alpha=1.0",

@@ -36,6 +36,7 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.long  # the docs' optuna commands run in test_readme
 @pytest.mark.slow
 def test_an_optuna_search_returns_the_monitored_metric_and_names_the_best_trial(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
@@ -52,6 +53,7 @@ def test_an_optuna_search_returns_the_monitored_metric_and_names_the_best_trial(
     assert f"best run: {best['job']}" in report.stdout and "3 runs, 3 completed" in report.stdout
 
 
+@pytest.mark.long  # test_scheduler's two-task job is requeued the same way, in every run
 @pytest.mark.slow
 def test_a_preempted_submitit_job_is_requeued_and_ends_with_the_uninterrupted_weights(slow):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

@@ -115,6 +115,7 @@ def test_early_stopping_stops_at_the_evaluation_patience_runs_out(tmp_path):
            "evaluations (best val_loss" in log
 
 
+@pytest.mark.long  # a feature's resume: the core kill-and-resume test runs every time
 @pytest.mark.slow
 def test_killed_run_with_the_average_best_checkpoint_and_early_stopping_resumes_bit_identical(slow):
     args = [*RUN, "trainer.ema=0.7", *PLATEAU]  # 4 steps per epoch × 3: early stopping ends both at step 10

@@ -131,6 +131,7 @@ def net(delay=0.0, **kwargs):
 """
 
 
+@pytest.mark.long  # a feature's resume: the LoRA one runs every time
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bit_identical(files, tmp_path, monkeypatch):
     """The model's own dropout (0.1) on: its RNG state comes back too. Only the killed run needs a process."""

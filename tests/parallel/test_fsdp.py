@@ -65,7 +65,7 @@ def saved(run_dir: Path, name: str = "last") -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync, fmt", [("each", "full"), ("last", "sharded")])
+@pytest.mark.parametrize("sync, fmt", [pytest.param("each", "full", marks=pytest.mark.long), ("last", "sharded")])
 def test_fsdp_is_the_big_batch_and_resumes_bit_identical_after_sigkill(net, sync, fmt):
     args = [*RUN, *FSDP, f"strategy.sync={sync}", f"strategy.checkpoint={fmt}"]
     fsdp, proc = train_run(net, "fsdp", *args, "trainer.check=true")  # the CLI: rank 0's log is its stderr
@@ -230,6 +230,7 @@ def test_pytorch_196996_is_one_line_naming_the_keys(compose):
     strategy.explain(RuntimeError("anything else"))  # not ours to explain: raised as it is
 
 
+@pytest.mark.long  # FSDP's sharded resume runs every time (test_fsdp_is_the_big_batch…[last-sharded])
 @pytest.mark.slow
 def test_a_sharded_checkpoint_missing_or_cut_shard_falls_back_in_one_line(net):
     """Issue 32, item 10: a shard removed (step 6), cut short (step 5) or garbled (step 4) used to give a traceback

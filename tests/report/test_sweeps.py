@@ -126,6 +126,7 @@ def test_a_crashing_job_is_recorded_as_failed_and_the_sweep_goes_on(tmp_path):
     assert (record["state"], record["error"]) == ("failed", "RuntimeError: crashed in training")
 
 
+@pytest.mark.long  # a pool of processes each importing PyTorch; the basic launcher's sweeps run every time
 @pytest.mark.slow
 def test_joblib_launcher_runs_jobs_in_parallel_and_writes_the_summary(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")

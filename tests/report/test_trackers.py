@@ -173,6 +173,7 @@ def test_every_tracker_holds_the_steps_of_metrics_jsonl_and_a_resume_continues_t
 
 
 # --- a real kill --------------------------------------------------------------------------------------------
+@pytest.mark.long  # a feature's resume: the core kill-and-resume test runs every time
 @pytest.mark.slow
 def test_a_killed_run_resumes_its_tensorboard_run_without_duplicate_steps(tmp_path):
     (tmp_path / "slow.py").write_text(SLOW_MODEL)

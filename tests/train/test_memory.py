@@ -261,7 +261,7 @@ HOST_MEMORY = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("terms", ["samples", "tokens"])
+@pytest.mark.parametrize("terms", ["samples", pytest.param("tokens", marks=pytest.mark.long)])
 def test_host_memory_holds_one_micro_batch_whatever_the_window(tmp_path, terms):
     """The host's peak over one optimizer step (peak_mem_mb: the process's resident set) with a window of 4,096
     samples stays within 1.15× that of a window of 64: no window's data, and no per-micro-batch tensor, is kept."""

@@ -20,7 +20,7 @@ from conftest import (NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, assert_identic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("how", ["SIGKILL", pytest.param("SIGTERM", marks=pytest.mark.long)])
 def test_killed_and_resumed_run_ends_bit_identical(slow, how):
     reference, _ = train_here(slow, "reference", *RUN)
     kill_after = random.Random().randint(2, 10)  # step k is logged after checkpoint k-1 is on disk
@@ -42,6 +42,7 @@ def test_killed_and_resumed_run_ends_bit_identical(slow, how):
     assert [r["loss"] for r in steps] == [r["loss"] for r in read_metrics(reference)[0]]
 
 
+@pytest.mark.long  # a kill timed to land in a write: minutes of polling on a loaded machine
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     big = [*TINY_DATA, "model.hidden=[1024,1024]", "data.image_size=16", "data.size=130",
@@ -339,7 +340,8 @@ class Net(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices, model", [(1, "slow.Net"), (2, "slow.Net"), (1, "stopbn.Net")])
+@pytest.mark.parametrize("devices, model", [pytest.param(1, "slow.Net", marks=pytest.mark.long), (2, "slow.Net"),
+                                           (1, "stopbn.Net")])
 def test_a_stop_early_in_a_long_window_abandons_it_and_the_resume_is_bit_identical(slow, devices, model):
     """Issue 32: a stop signal does not wait for a long window. The run stops within a few micro-batches, checkpoints
     optimizer step 2 (the window of step 3 dropped, its RNG and running statistics put back), and its resume ends
