@@ -179,11 +179,14 @@ def test_a_checkpoint_from_before_optimizer_state_names_resumes_under_fsdp(tmp_p
     ("trainer.precision=16-mixed", "trainer.precision=16-mixed"),
     ("batchnorm.sync=true", "batchnorm.sync=true"),
     ("trainer.ema_device=cpu", "trainer.ema_device=cpu"),
+    ("model.adapter=lora", "model.adapter=lora: sharding a frozen base with its adapter is not verified"),
 ])
 def test_what_fsdp_cannot_combine_with_is_one_line(compose, override, fragment):
-    extra = ["global_batch=32"] if override == "micro_batch=auto" else []
+    extra = {"micro_batch=auto": [*TINY, "global_batch=32"],
+             "model.adapter=lora": ["debug=fast", "model=hf_causal_lm", "+model.config.model_type=gpt2"]}
+    extra = extra.get(override, TINY)
     with pytest.raises(UserError) as info:
-        validate(compose(*TINY, "strategy=fsdp", override, *extra))
+        validate(compose(*extra, "strategy=fsdp", override))
     assert_one_line_user_error(info.value, "strategy=fsdp cannot be combined with", fragment)
 
 

@@ -32,5 +32,5 @@ def test_metrics_lines_are_json_and_the_first_records_the_plan(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[0] == {"kind": "plan", "plan": dict(effective=32, micro_batch=32, accum=1, devices=1, train_size=30,
                                                        steps_per_epoch=1, total_steps=1, last_window="step",
-                                                       schedule=None)}
+                                                       schedule=None, micro_tokens=None)}
     assert [r["step"] for r in records[1:]] == [1, 1]  # the step, then its evaluation

@@ -218,6 +218,9 @@ def validate_strategy(cfg: DictConfig) -> None:
          "accutrain's exact accumulation; use strategy=ddp to compile"),
         (t.noise_scale, "trainer.noise_scale=true", "FSDP's gradients are sharded and reduced as they arrive, so a "
          "micro-batch's own gradient is never whole on a rank; use strategy=ddp to measure the noise scale"),
+        (cfg.model.get("adapter") is not None, f"model.adapter={cfg.model.get('adapter')}", "sharding a frozen "
+         "base with its adapter is not verified with adapter-only checkpoints; use strategy=ddp, which reduces only "
+         "the adapter's gradients"),
         (t.get("export") is not None, f"trainer.export={t.get('export')}", "exporting needs the whole model in "
          "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
     ]

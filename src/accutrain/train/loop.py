@@ -123,15 +123,16 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
     if scaler:
         found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
         figures.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
-    host = torch.tensor([float(stop.signum is not None), window_s], dtype=torch.float64)
+    host = [float(stop.signum is not None), window_s]  # this rank's stop vote and window time
     head = loss_sum.reshape(1).double()
     if parts.world.size > 1:  # every rank's loss, stop vote and window time, summed
+        votes = torch.tensor(host, dtype=torch.float64)
         if device.type == "cuda":  # a pageable host-to-device copy would wait for the GPU: a second sync per step
-            host = host.pin_memory()
-        head = dist.all_reduce_sum(torch.cat([head, host.to(device, non_blocking=True)]), parts.world)
+            votes = votes.pin_memory()
+        head = dist.all_reduce_sum(torch.cat([head, votes.to(device, non_blocking=True)]), parts.world)
     values = torch.cat([head, torch.stack(list(figures.values())).double()]).tolist()  # the one wait
     if parts.world.size == 1:
-        values[1:1] = host.tolist()
+        values[1:1] = host
     read = dict(zip(figures, values[3:]))
     return Settled(loss_sum=values[0], norm=read["norm"], stop=values[1] > 0, overflow=read.get("found_inf", 0.0) > 0,
                    scale=read.get("scale"), window_s=values[2] / parts.world.size)
