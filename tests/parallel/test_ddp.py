@@ -88,6 +88,7 @@ def test_sync_batchnorm_on_the_cpu_is_refused_plainly(tmp_path):
     assert_one_line_user_error(info.value, "batchnorm.sync=true needs CUDA")
 
 
+@pytest.mark.long  # a sweep's jobs and devices=2 each run every time
 def test_multirun_jobs_launch_their_own_workers(tmp_path):
     """A sweep over devices at a fixed global batch: every job takes the same steps."""
     run_cli("-m", *UNEVEN, "trainer.epochs=1", "devices=1,2", "micro_batch=8", "global_batch=32",
@@ -98,6 +99,7 @@ def test_multirun_jobs_launch_their_own_workers(tmp_path):
     assert_same_weights(final_weights(jobs[0]), final_weights(jobs[1]))
 
 
+@pytest.mark.long  # torchrun's variables form the world in test_scheduler's runs, every run
 def test_torchrun_world_equals_the_spawned_one(tmp_path):
     args = [*UNEVEN, "trainer.epochs=1", "micro_batch=8", "accum=2"]
     spawned, _ = train_here(tmp_path, "spawned", *args, "devices=2")

@@ -89,6 +89,7 @@ def srun(tmp_path, tasks: int, *args: str) -> list[subprocess.Popen]:
             for r in range(tasks)]
 
 
+@pytest.mark.long  # submitit's two-task job forms its world from SLURM's variables every run
 @pytest.mark.slow
 def test_srun_tasks_form_one_world_equal_to_one_device(tmp_path):
     args = [*UNEVEN, "micro_batch=8", "accum=2"]

@@ -193,6 +193,7 @@ def test_launcher_configs_compose(compose_with_hydra):
     assert preset.timeout_min == 30 and preset.cpus_per_task == 8
 
 
+@pytest.mark.long  # micro_batch=auto in process, a sweep's resume in test_record, every run
 @pytest.mark.slow
 def test_a_sweep_with_auto_micro_batch_and_resume(tmp_path):
     """Every job searches (or reuses the sweep's cached) micro-batch; a second sweep resumes each job in place."""
