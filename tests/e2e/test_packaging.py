@@ -12,6 +12,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.long  # every session runs the quick start before it stops; test_readme runs `accutrain` every time
 def test_default_job_reaches_90_percent_on_digits(tmp_path):
     """`accutrain` with no arguments: resnet18 on the shipped digits, no download."""
     proc = run_cli(cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})

@@ -165,7 +165,17 @@ def commands(text: str) -> list[tuple[str, int, str]]:
 def all_commands() -> list[tuple[str, int, str]]:
     """commands() of every page in PAGES, in that order (so within a page a command that prepares another, such as
     the checkpoint a `resume=outputs/…` names, still comes first)."""
-    return [found for page in PAGES for found in commands(page.read_text())]
+    return [found for _, found in paged_commands()]
+
+
+def paged_commands() -> list[tuple[Path, tuple[str, int, str]]]:
+    return [(page, found) for page in PAGES for found in commands(page.read_text())]
+
+
+def manual_sweep(page: Path, command: str) -> bool:
+    """A sweep (`accutrain -m …`) of a manual page: several runs per command, run by the long tier only (the README's
+    own sweeps and every single-run command run every time)."""
+    return page.name != "README.md" and command.startswith("accutrain -m ")
 
 
 def skipped(command: str) -> str:
@@ -234,7 +244,9 @@ def test_the_pages_links_lead_somewhere():
 
 
 @pytest.mark.slow
-def test_every_readme_command_works_as_printed(tmp_path):
+@pytest.mark.parametrize("sweeps", [False, pytest.param(True, marks=pytest.mark.long)], ids=["commands", "manual-sweeps"])
+def test_every_readme_command_works_as_printed(tmp_path, sweeps):
+    """Every command but the manual's sweeps, or (the long tier) those sweeps."""
     from conftest import make_image_folder
 
     home = tmp_path / "home"
@@ -247,8 +259,8 @@ def test_every_readme_command_works_as_printed(tmp_path):
     (work / "pairs.jsonl").write_text(pairs())
     (work / "chat.jsonl").write_text(chats())
     runs, expected = [], []
-    for index, (command, code, error) in enumerate(all_commands()):
-        if skipped(command) or command in [c for c, _, _ in expected]:
+    for index, (page, (command, code, error)) in enumerate(paged_commands()):
+        if skipped(command) or command in [c for c, _, _ in expected] or manual_sweep(page, command) != sweeps:
             continue
         argv = shortened(words(command, home), index)
         assert argv[0] in ("accutrain", "accutrain-check", "accutrain-report"), command
