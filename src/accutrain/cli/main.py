@@ -9,7 +9,7 @@ import sys
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from types import FrameType
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 COMMANDS = ("accutrain", "accutrain-check")
 _in_job = False  # Hydra runs the job: Ctrl-C is a KeyboardInterrupt the job answers (status.json: interrupted)
@@ -208,12 +208,9 @@ def before_hydra(prog: str, **checks: bool) -> None:
         sys.exit(2)
 
 
-def composed_once() -> ExitStack:
+def composed_once() -> ContextManager[None]:
     """Hydra told the mode the checks read from their composition (hydra_internals.known_mode), where they made one."""
-    stack = ExitStack()
-    if command.mode is not None:
-        stack.enter_context(hydra_internals.known_mode(command.mode[0]))
-    return stack
+    return nullcontext() if command.mode is None else hydra_internals.known_mode(command.mode[0])
 
 
 def interruptible(prog: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
