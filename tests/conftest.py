@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from accutrain.config.train import compose as compose_config
+from accutrain.config.validate import typed_run
 from accutrain.run.launch import train
 
 # Each test process (pytest-xdist runs one per core) computes on one thread, and so does each accutrain it starts:
@@ -59,6 +60,12 @@ def compose():
     return compose_config
 
 
+def run_of(*overrides: str):
+    """The typed run `accutrain <overrides>` would train (composed, checked, typed), as the layers below the command
+    line receive it."""
+    return typed_run(compose_config(*overrides))
+
+
 @contextmanager
 def captured_log() -> Iterator[io.StringIO]:
     """What accutrain logs (INFO and up) while the block runs."""
@@ -79,7 +86,7 @@ def train_here(tmp_path: Path, name: str, *args: str) -> tuple[Path, str]:
     run_dir = tmp_path / name
     run_dir.mkdir(parents=True, exist_ok=True)
     with captured_log() as log:
-        train(compose_config(*args), run_dir)
+        train(typed_run(compose_config(*args)), run_dir)
     return run_dir, log.getvalue()
 
 

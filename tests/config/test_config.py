@@ -3,7 +3,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from accutrain.cli.command import check, expand_home
+from accutrain.cli.command import check
+from accutrain.cli.compose import expand_home
 from accutrain.config.train import config_dir
 from accutrain.config.validate import validate
 from accutrain.core.options import LastWindow
@@ -108,7 +109,10 @@ def test_config_mistakes_are_one_line_naming_the_key_and_what_is_valid(argv, fra
         assert fragment in line, line
 
 
-def test_keys_of_your_own_model_or_data_are_accepted():
+def test_keys_of_your_own_model_or_data_are_accepted(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text("class Net:\n    def __init__(self, depth=1, **kwargs):\n        pass\n")
+    (tmp_path / "mydata.py").write_text("def make(size=10, shift=0.0):\n    pass\n")
+    monkeypatch.syspath_prepend(tmp_path)  # the plug-ins are imported before the run (a mistake in one: one line)
     check(["model=custom", "model._target_=mymodels.Net", "+model.depth=4"], run=False)
     check(["data=custom", "data._target_=mydata.make", "+data.size=1000", "+data.shift=0.5"], run=False)
     check(["-m", "model=mlp,cnn", "micro_batch=8,16"], decide=False)  # a sweep's every job composes

@@ -7,6 +7,7 @@ from accutrain.core.loss import SummedLoss
 from accutrain.core.terms import TermCounts
 from accutrain.core.windows import WindowSampler
 from accutrain.dist import World
+from accutrain.config.validate import typed_run
 from accutrain.train.build import build
 
 SEQ = ["data=sequences", "data.size=53", "data.val_size=8", "data.min_length=2", "data.max_length=12",
@@ -17,7 +18,7 @@ SEQ = ["data=sequences", "data.size=53", "data.val_size=8", "data.min_length=2",
 @pytest.mark.parametrize("shift", [False, True])
 def test_kept_counts_equal_the_loaded_micro_batches_on_every_rank(compose, tmp_path, split, shift):
     cfg = compose(*SEQ, *split, f"loss.shift_labels={str(shift).lower()}")
-    c = build(cfg, World(), torch.device("cpu"))
+    c = build(typed_run(cfg), World(), torch.device("cpu"))
     data, loss = c.loader.dataset, c.loss
     assert loss.elements and loss.shift_labels is shift
     for world in (1, 2):

@@ -23,6 +23,7 @@ from accutrain.core.loss import make_loss
 from accutrain.core.options import Normalize
 from accutrain.core.precision import make_precision
 from accutrain.core.progress import Progress
+from accutrain.core import loss as core_loss
 from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.errors import UserError
@@ -36,7 +37,7 @@ from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (OOM, OOM_MODEL, TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error,
+from conftest import (run_of, OOM, OOM_MODEL, TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error,
                       assert_same_weights, final_weights, run_cli, train_here)
 
 CPU = torch.device("cpu")
@@ -112,7 +113,7 @@ def ddp_takes_syncbatchnorm_on_the_cpu(monkeypatch):
 
 
 def cfg_of(*overrides):
-    return compose_config(*overrides)
+    return run_of(*overrides)
 
 
 def state_of(model):
@@ -227,7 +228,7 @@ def test_the_trial_step_holds_the_buffers_and_allocates_the_optimizer_state(oom_
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     monkeypatch.setattr(GradBuffers, "release", release)
-    c = build(cfg_of(*BF16_FP32, "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000"),
+    c = build(run_of(*BF16_FP32, "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000"),
               World(), CPU)
     trials = len(seen["state"])  # 1, 2, 4, 8 fit; 16 runs out of memory in forward, before any step
     assert trials == 4 and seen["released"] == trials
@@ -250,14 +251,14 @@ def test_check_runs_on_a_syncbatchnorm_model_in_one_rank_alone(bn_model, one_ran
 
 def test_check_takes_syncbatchnorm_statistics_over_every_devices_micro_batch(bn_model):
     args = [*BN, "devices=2", "micro_batch=8", "accum=1"]
-    synced = run_check(components_for_check(cfg_of(*args, "batchnorm.sync=true")))
+    synced = run_check(components_for_check(run_of(*args, "batchnorm.sync=true")))
     assert synced.faithful  # SyncBatchNorm over 2 × 8 = the window: exact
-    assert not run_check(components_for_check(cfg_of(*args))).faithful
+    assert not run_check(components_for_check(run_of(*args))).faithful
 
 
 def test_frozen_batchnorm_stays_frozen_under_sync_batchnorm(bn_model, one_rank_group,
                                                             ddp_takes_syncbatchnorm_on_the_cpu):
-    c = build(cfg_of(*BN, "micro_batch=8", "accum=2", "batchnorm.convert=frozen", "batchnorm.sync=true"),
+    c = build(run_of(*BN, "micro_batch=8", "accum=2", "batchnorm.convert=frozen", "batchnorm.sync=true"),
               World(0, 2, 0), CPU)
     c.model.train()
     layers = norms.batchnorm_layers(c.model)
@@ -275,7 +276,7 @@ def test_the_search_runs_before_syncbatchnorm(bn_model, one_rank_group, ddp_take
         return real(cfg, model, *args, **kwargs)
 
     monkeypatch.setattr(build_module, "auto_micro_batch", spy)
-    c = build(cfg_of(*BN, "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000",
+    c = build(run_of(*BN, "micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000000",
                      "batchnorm.sync=true", "+model.limit=4"), World(0, 2, 0), CPU)
     assert seen == [False] and c.plan.micro_batch == 4  # no trial ran a collective
     assert sum(isinstance(m, nn.SyncBatchNorm) for m in c.model.modules()) == 2
@@ -283,7 +284,7 @@ def test_the_search_runs_before_syncbatchnorm(bn_model, one_rank_group, ddp_take
 
 # --- 4. the check leaves the run as it was, also when its reference runs out of memory ---------------------------
 def test_a_check_whose_reference_runs_out_of_memory_leaves_the_model_untouched(bn_model, monkeypatch):
-    c = build(cfg_of(*BN, "micro_batch=8", "accum=4", "+model.backward_limit=8"), World(), CPU)
+    c = build(run_of(*BN, "micro_batch=8", "accum=4", "+model.backward_limit=8"), World(), CPU)
     before = state_of(c.model)
     copied = []
     for kind in (torch.Tensor, nn.Parameter):
@@ -298,7 +299,7 @@ def test_a_check_whose_reference_runs_out_of_memory_leaves_the_model_untouched(b
 
 def test_the_first_window_starts_from_zero_gradients(tmp_path):
     def one_step(dirty):
-        c = build(cfg_of(*TINY, "data.size=64", "micro_batch=8", "accum=4", "trainer.max_steps=1"), World(), CPU)
+        c = build(run_of(*TINY, "data.size=64", "micro_batch=8", "accum=4", "trainer.max_steps=1"), World(), CPU)
         if dirty:  # what a check that failed halfway could leave
             for p in c.model.parameters():
                 p.grad = torch.full_like(p, 100.0)
@@ -313,7 +314,7 @@ def test_the_first_window_starts_from_zero_gradients(tmp_path):
 
 @pytest.mark.cuda
 def test_the_check_fallback_takes_no_device_memory(bn_model, monkeypatch):
-    c = build(cfg_of(*BN, "micro_batch=8", "accum=4", "+model.backward_limit=8", "trainer.device=cuda"),
+    c = build(run_of(*BN, "micro_batch=8", "accum=4", "+model.backward_limit=8", "trainer.device=cuda"),
               World(), torch.device("cuda"))
     grown = []
     real_copy = check._cpu_copy
@@ -397,9 +398,10 @@ def tf32_settings():
 
 def test_check_turns_tf32_off_inside_and_restores_it(monkeypatch):
     inside = []
-    monkeypatch.setattr(check, "accumulate", lambda *a, **k: (inside.append(tf32_settings()), accumulate(*a, **k))[1])
+    monkeypatch.setattr(core_loss, "accumulate",  # the accumulated window and the reference both run through it
+                        lambda *a, **k: (inside.append(tf32_settings()), accumulate(*a, **k))[1])
     before = tf32_settings()
-    result = run_check(components_for_check(cfg_of(*TINY, "micro_batch=8", "accum=4")))
+    result = run_check(components_for_check(run_of(*TINY, "micro_batch=8", "accum=4")))
     assert result.faithful and len(inside) == 2
     assert set(inside) == {("ieee", "ieee", "ieee") if len(before) == 3 else (False, False)}
     assert tf32_settings() == before
@@ -451,7 +453,7 @@ def test_check_calls_a_faithful_conv_net_faithful_with_tf32_on(monkeypatch):
         monkeypatch.setattr(b.cuda.matmul, "allow_tf32", True)
         monkeypatch.setattr(b.cudnn, "allow_tf32", True)
     before = tf32_settings()
-    result = run_check(components_for_check(cfg_of(*TINY_DATA, "model=cnn", "model.channels=[32,64]",
+    result = run_check(components_for_check(run_of(*TINY_DATA, "model=cnn", "model.channels=[32,64]",
                                                    "micro_batch=8", "accum=4", "trainer.device=cuda")))
     assert result.faithful, "\n".join(result.lines())
     assert tf32_settings() == before

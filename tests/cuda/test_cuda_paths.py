@@ -17,7 +17,7 @@ from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import StepLog
-from conftest import TINY_DATA, final_weights, read_metrics, train_here
+from conftest import run_of, TINY_DATA, final_weights, read_metrics, train_here
 
 pytestmark = pytest.mark.cuda
 GPU = ["trainer.device=cuda", "trainer.deterministic=true"]
@@ -41,7 +41,7 @@ def test_every_precision_keeps_the_accumulation_equivalence_on_cuda(tmp_path, pr
 
 
 def test_16_mixed_overflow_skips_the_step_and_halves_the_scale_on_cuda(tmp_path, compose):
-    r = build(compose(*EXACT, "micro_batch=8", "accum=2", "trainer.epochs=4", "trainer.precision=16-mixed"),
+    r = build(run_of(*EXACT, "micro_batch=8", "accum=2", "trainer.epochs=4", "trainer.precision=16-mixed"),
               World(), CUDA)  # 32 steps of 16 samples
     r.precision.scaler._init_scale = 2.0 ** 32  # fp16 gradients overflow until the scale has come down (< 2^16)
     metrics = MetricsLog(tmp_path / "metrics.jsonl")
@@ -86,7 +86,7 @@ def test_micro_batch_auto_finds_the_largest_that_really_fits(tmp_path, compose):
            "micro_batch=auto", "trainer.max_steps=1"]
     hold = fill_gpu_but(1500)
     try:
-        r = build(compose(*big), World(), CUDA, cache_dir=tmp_path)
+        r = build(run_of(*big), World(), CUDA, cache_dir=tmp_path)
         chosen = r.plan.micro_batch
         larger = [d for d in divisors(256) if d > chosen]
         run_dir, log = train_here(tmp_path, "chosen", *big[:-3], f"micro_batch={chosen}", "accum=1",
@@ -94,7 +94,7 @@ def test_micro_batch_auto_finds_the_largest_that_really_fits(tmp_path, compose):
         assert "out of memory" not in log
         if larger:  # the next candidate really does not fit
             with pytest.raises(torch.OutOfMemoryError):
-                rb = build(compose(*big[:-3], f"micro_batch={larger[0]}", "trainer.max_steps=1"), World(), CUDA)
+                rb = build(run_of(*big[:-3], f"micro_batch={larger[0]}", "trainer.max_steps=1"), World(), CUDA)
                 x = torch.randn(larger[0], 3, 64, 64, device=CUDA)
                 rb.model(x).sum().backward()
                 rb.optimizer.step()
@@ -153,7 +153,7 @@ def test_compile_on_cuda_is_exact_with_at_most_two_graphs(tmp_path, extra):
 
 
 def test_batches_arrive_in_pinned_memory_and_train_as_on_the_cpu(tmp_path, compose):
-    r = build(compose(*EXACT, "micro_batch=8", "accum=4"), World(), CUDA)
+    r = build(run_of(*EXACT, "micro_batch=8", "accum=4"), World(), CUDA)
     assert r.loader.pin_memory
     _, batch = next(iter(r.loader))
     assert batch.inputs.is_pinned() and batch.target.is_pinned()

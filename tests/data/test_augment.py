@@ -18,7 +18,7 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
-from conftest import (RUN, TINY, assert_identical, assert_one_line_error, assert_one_line_user_error,
+from conftest import (run_of, RUN, TINY, assert_identical, assert_one_line_error, assert_one_line_user_error,
                       assert_same_weights, final_weights, read_metrics, run_cli, start, train_here, train_run,
                       wait_for_steps)
 
@@ -55,7 +55,7 @@ def test_augmented_runs_are_the_same_run_under_any_split(tmp_path, recipe):
 
 def loader_views(compose, *args, epoch=0):
     """{dataset index: (image, target)} of the first window of `epoch`, as the train loader yields them."""
-    c = build(compose(*args), World(), torch.device("cpu"))
+    c = build(run_of(*args), World(), torch.device("cpu"))
     c.sampler.set_epoch(epoch)
     out = {}
     for micro_batch in next(c.sampler.windows()):
@@ -85,7 +85,7 @@ def test_a_samples_view_depends_on_seed_epoch_and_sample_only(compose):
 
 
 def test_evaluation_is_never_augmented(compose):
-    c = build(compose(*TINY, "augment=rrc_flip", "augment.random_erasing=1.0"), World(), torch.device("cpu"))
+    c = build(run_of(*TINY, "augment=rrc_flip", "augment.random_erasing=1.0"), World(), torch.device("cpu"))
     val = c.val_loader.dataset.dataset  # this rank's share of the held-out split
     source = c.loader.dataset.dataset
     assert isinstance(val, views.Views) and val.seed is None  # a fixed view: resize 8 / 0.875 → 9, centre-crop 8
@@ -176,7 +176,7 @@ def test_label_smoothing_is_exact_under_any_split(per_element):
 
 
 def test_the_check_compares_with_augmentation_and_mixing_on(compose):
-    check = run_check(components_for_check(compose(*TINY, "augment=crop_flip", "augment.cutmix_alpha=1.0",
+    check = run_check(components_for_check(run_of(*TINY, "augment=crop_flip", "augment.cutmix_alpha=1.0",
                                                    "augment.mix_mode=sample", "loss.label_smoothing=0.1",
                                                    "micro_batch=8", "accum=4")))
     assert check.faithful and not check.causes
@@ -186,10 +186,10 @@ def test_pretrained_normalisation_comes_from_the_weights_metadata(compose):
     import torchvision
 
     transforms = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
-    cfg = compose("model=resnet18", "model.pretrained=true").model
+    cfg = run_of("model=resnet18", "model.pretrained=true").model
     assert views.pretrained_normalisation(cfg, 3) == (tuple(transforms.mean), tuple(transforms.std))
     assert views.pretrained_normalisation(cfg, 1) == ((np.mean(transforms.mean),), (np.mean(transforms.std),))
-    assert views.pretrained_normalisation(compose("model=resnet18").model, 3) is None
+    assert views.pretrained_normalisation(run_of("model=resnet18").model, 3) is None
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -204,7 +204,7 @@ def test_bad_augmentation_input_is_one_line_naming_the_key(tmp_path, args, fragm
     from accutrain.run.launch import train
 
     with pytest.raises(UserError) as e:
-        train(compose_config(*(args if "data=sequences" in args else [*TINY, *args])), tmp_path / "run")
+        train(run_of(*(args if "data=sequences" in args else [*TINY, *args])), tmp_path / "run")
     assert_one_line_user_error(e.value, *fragments)
 
 
@@ -244,8 +244,8 @@ def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_c
     from conftest import make_image_folder
 
     root = make_image_folder(tmp_path, size=12)
-    cfg = compose("data=imagefolder", f"data.root={root}", "data.image_size=8", "model=resnet18",
-                  "model.pretrained=true")
+    cfg = run_of("data=imagefolder", f"data.root={root}", "data.image_size=8", "model=resnet18",
+                 "model.pretrained=true")
     assert cfg.augment.crop.name == "resized" and cfg.augment.eval_crop_ratio == 0.875  # the data's default recipe
     mean, std = views.pretrained_normalisation(cfg.model, 3)
     seen = views.apply(image_folder(str(root), 8, 3), cfg.augment, cfg.model, seed=0)
@@ -292,7 +292,7 @@ def test_recipes_fit_the_8x8_digits_and_say_when_they_would_ruin_them(compose):
 
 def test_a_flip_stays_where_a_mirror_keeps_the_classes(compose):
     args = [*TINY, "augment=crop_flip", "data.image_size=32"]  # generated 32×32 images: mirrors keep the classes
-    c = build(compose(*args), World(), torch.device("cpu"))
+    c = build(run_of(*args), World(), torch.device("cpu"))
     steps = [type(t).__name__ for t in c.loader.dataset.dataset.transform.transforms]
     assert "RandomHorizontalFlip" in steps
     crop = next(t for t in c.loader.dataset.dataset.transform.transforms if type(t).__name__ == "RandomCrop")
@@ -305,10 +305,10 @@ def test_trivialaugment_on_small_images_is_warned_about_at_start(tmp_path):
     from accutrain.config.train import compose as compose_config
 
     with captured_log() as log:
-        build(compose_config(*TINY, "augment=trivialaugment"), World(), torch.device("cpu"))
+        build(run_of(*TINY, "augment=trivialaugment"), World(), torch.device("cpu"))
     assert "augment may erase most of each 8×8 image" in log.getvalue()
     with captured_log() as log:
-        build(compose_config(*TINY, "augment=crop_flip"), World(), torch.device("cpu"))
+        build(run_of(*TINY, "augment=crop_flip"), World(), torch.device("cpu"))
     assert "erase" not in log.getvalue()
 
 
@@ -321,5 +321,5 @@ def test_bad_flip_or_padding_is_one_line(tmp_path, args, fragments):
     from accutrain.run.launch import train
 
     with pytest.raises(UserError) as e:
-        train(compose_config(*TINY, *args), tmp_path / "run")
+        train(run_of(*TINY, *args), tmp_path / "run")
     assert_one_line_user_error(e.value, *fragments)

@@ -15,7 +15,7 @@ from accutrain.core.windows import WindowSampler, window_loader
 from accutrain.data.checks import prepare
 from accutrain.data.datasets import Datasets, InMemory, eval_loader
 from accutrain.data.text import text_data
-from conftest import assert_one_line_user_error
+from conftest import run_of, assert_one_line_user_error
 
 
 def made(n=64, nval=8, classes=3, train_labels=None, val_labels=None, dtype=torch.int64):
@@ -31,13 +31,13 @@ def made(n=64, nval=8, classes=3, train_labels=None, val_labels=None, dtype=torc
 
 def refused(compose, data, *fragments, overrides=()):
     with pytest.raises(Exception) as info:
-        prepare(data, compose("debug=fast", *overrides))
+        prepare(data, run_of("debug=fast", *overrides))
     assert_one_line_user_error(info.value, *fragments)
 
 
 def test_good_data_passes_unchanged(compose):
     data = made()
-    datasets, batches = prepare(data, compose("debug=fast"))
+    datasets, batches = prepare(data, run_of("debug=fast"))
     assert datasets is data and isinstance(batches, BatchFormat)
 
 
@@ -52,7 +52,7 @@ def test_reading_the_first_samples_draws_from_no_random_stream(compose):
     data.train = Draws(data.train.images, data.train.labels)
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    prepare(data, compose("debug=fast"))
+    prepare(data, run_of("debug=fast"))
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -80,7 +80,7 @@ def test_ignore_index_on_class_targets_is_refused_unless_the_terms_are_counted(c
     the loss yet count in |W|. Counting elements (loss.normalize=elements) counts only the samples not ignored."""
     refused(compose, made(), "loss.ignore_index=2 on one class per sample", "loss.normalize=elements",
             overrides=["loss.ignore_index=2"])
-    prepare(made(train_labels={12: 2}), compose("debug=fast", "loss.ignore_index=2", "loss.normalize=elements"))
+    prepare(made(train_labels={12: 2}), run_of("debug=fast", "loss.ignore_index=2", "loss.normalize=elements"))
 
 
 def test_element_targets_may_be_ignore_index_and_nothing_else_out_of_range(compose):
@@ -88,7 +88,7 @@ def test_element_targets_may_be_ignore_index_and_nothing_else_out_of_range(compo
     targets = tokens.clone()
     targets[:, -2:] = -100  # padding
     ok = Datasets(InMemory(tokens, targets), InMemory(tokens[:4], targets[:4]), 5, (6,), "sequences")
-    prepare(ok, compose("debug=fast", "model=char_lm"))
+    prepare(ok, run_of("debug=fast", "model=char_lm"))
     targets[30, 1] = 9
     refused(compose, ok, "training sample 30 at position (1,) has target 9: expected a class index 0 … 4, or "
             "loss.ignore_index=-100", overrides=["model=char_lm"])
@@ -98,7 +98,7 @@ def test_float_class_probabilities_per_sample_are_targets(compose):
     data = made()
     soft = torch.softmax(torch.randn(64, 3), 1)
     data.train, data.val = InMemory(data.train.images, soft), InMemory(data.val.images, soft[:8])
-    prepare(data, compose("debug=fast"))
+    prepare(data, run_of("debug=fast"))
 
 
 class Raises(Dataset):

@@ -153,10 +153,9 @@ def test_a_batch_arithmetic_mistake_is_one_line_from_the_command_line(tmp_path):
 def test_a_single_run_checks_its_values_once_and_composes_twice(tmp_path):
     """The command line owns the checking: launch trusts the values and ranks it checked (one validate, not three);
     Hydra composes the config once to run it, and not a third time to read its mode."""
-    code = ("import sys\nfrom accutrain.cli import command, main as cli\nfrom accutrain.run import launch\n"
+    code = ("import sys\nfrom accutrain.cli import main as cli\nfrom accutrain.config import validate as module\n"
             "from hydra._internal.hydra import Hydra\ncalls, composed = [], []\n"
-            "for module in (command, launch):\n"
-            "    module.validate = lambda cfg, real=module.validate: (calls.append(1), real(cfg))[1]\n"
+            "module.validate = lambda cfg, real=module.validate: (calls.append(1), real(cfg))[1]\n"
             "Hydra.compose_config = lambda *a, real=Hydra.compose_config, **k: (composed.append(1), real(*a, **k))[1]\n"
             "sys.argv = ['accutrain', *sys.argv[1:]]\ncli.main()\nprint('validated', len(calls), 'composed', "
             "len(composed))")

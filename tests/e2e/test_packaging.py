@@ -39,7 +39,8 @@ def test_wheel_carries_configs_and_runs_from_another_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
-    where = subprocess.run([sys.executable, "-c", "import accutrain.cli.main as c; print(c.__file__, c.config_dir())"],
+    where = subprocess.run([sys.executable, "-c", "import accutrain.cli.main as c; from accutrain.config.train "
+                            "import config_dir; print(c.__file__, config_dir())"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
     assert str(target) in where and where.count(str(target)) == 2, where  # the wheel's code and configs
     proc = subprocess.run([str(target / "bin" / "accutrain"), "model=mlp", "trainer.max_steps=3",

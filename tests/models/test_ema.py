@@ -16,7 +16,7 @@ from accutrain.signals import StopRequest
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (EXACT, NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights,
+from conftest import (run_of, EXACT, NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights,
                       read_metrics, start, train_here, train_run, wait_for_steps)
 
 
@@ -55,7 +55,7 @@ def test_the_average_moves_once_per_optimizer_step_taken(tmp_path, monkeypatch, 
     """8 windows of 2 micro-batches, 2 of them skipped for a NaN: 6 updates, not 16 (micro-batches) nor 8."""
     (tmp_path / "emanandata.py").write_text(NAN_DATA)
     monkeypatch.syspath_prepend(tmp_path)
-    c = build(compose("model=mlp", "data=custom", "data._target_=emanandata.make", "micro_batch=8", "accum=2",
+    c = build(run_of("model=mlp", "data=custom", "data._target_=emanandata.make", "micro_batch=8", "accum=2",
                       "trainer.epochs=2", "trainer.on_nonfinite=skip", "trainer.ema=0.9", "trainer.progress=false"),
               World(), torch.device("cpu"))
     calls = []

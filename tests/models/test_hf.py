@@ -17,7 +17,7 @@ from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.errors import UserError
 from accutrain.models.factories import build_model
-from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, final_weights, killed_at_step,
+from conftest import (run_of, assert_identical, assert_one_line_user_error, assert_same_weights, final_weights, killed_at_step,
                       read_metrics, train_here)
 
 transformers = pytest.importorskip("transformers")
@@ -172,7 +172,7 @@ def test_export_loads_back_with_from_pretrained_and_checkpoints_have_plain_keys(
 def test_check_groups_below_the_adapter_and_finds_the_hf_model_faithful(files, compose):
     from accutrain.train.check import components_for_check, run_check
 
-    result = run_check(components_for_check(compose(*lm(files, "micro_batch=4", "accum=4"))))
+    result = run_check(components_for_check(run_of(*lm(files, "micro_batch=4", "accum=4"))))
     assert result.faithful, result.lines()
     assert {"wte", "wpe", "h", "ln_f"} == set(result.groups)
 

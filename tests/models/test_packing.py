@@ -8,7 +8,7 @@ from accutrain.core.loss import SummedLoss
 from accutrain.data.packing import pack, packing_mode
 from accutrain.data.text import as_items
 from accutrain.errors import UserError
-from conftest import assert_one_line_user_error, read_metrics, train_here
+from conftest import run_of, assert_one_line_user_error, read_metrics, train_here
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,11 +89,11 @@ def test_packing_from_the_cli_with_micro_tokens_and_a_model_that_cannot_take_it(
     from accutrain.dist import World
     from accutrain.train.build import build
     with pytest.raises(UserError) as info:
-        build(compose("model=char_lm", "data=text", f"data.train={path}", "data.packing=true"), World(),
+        build(run_of("model=char_lm", "data=text", f"data.train={path}", "data.packing=true"), World(),
               torch.device("cpu"))
     assert_one_line_user_error(info.value, "data.packing=true keeps each packed document's positions")
     with pytest.raises(UserError) as info:
-        build(compose(*args, "loss.normalize=sequences"), World(), torch.device("cpu"))
+        build(run_of(*args, "loss.normalize=sequences"), World(), torch.device("cpu"))
     assert_one_line_user_error(info.value, "loss.normalize=sequences averages each sample's tokens")
 
 

@@ -17,7 +17,7 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.parallel.state_dicts import by_index, by_name
 from accutrain.report.summary import write_report
-from conftest import (TINY, assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, start,
+from conftest import (run_of, TINY, assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, start,
                       train_here, train_run, wait_for_steps)
 
 # Linear(64, 33) shards unevenly over 2 ranks (17 + 16 rows); no dropout or BatchNorm, so the step is exact; the
@@ -120,7 +120,7 @@ def test_fsdp_is_the_big_batch_and_resumes_bit_identical_after_sigkill(net, sync
 def test_accutrain_check_takes_the_fsdp_overrides(compose):
     from accutrain.train.check import components_for_check, run_check
 
-    result = run_check(components_for_check(compose(*TINY, "data.size=40", "strategy=fsdp", "devices=2",
+    result = run_check(components_for_check(run_of(*TINY, "data.size=40", "strategy=fsdp", "devices=2",
                                                     "micro_batch=4", "accum=2", "strategy.sync=last")))
     assert result.faithful and result.micro_batches == 4  # every device's micro-batches, in one process
 
@@ -210,10 +210,10 @@ def test_batchnorm_in_training_and_unknown_wrap_classes_are_refused(compose):
     strategy = FSDP(cfg.strategy, World(0, 2), torch.device("cpu"), make_precision("32", torch.device("cpu")))
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
     with pytest.raises(UserError) as info:
-        strategy.check_model(model, cfg)
+        strategy.check_model(model, cfg.batchnorm.convert)
     assert_one_line_user_error(info.value, "strategy=fsdp with batchnorm.convert=keep", "batchnorm.convert=group")
     model.eval()
-    strategy.check_model(model, cfg)  # frozen statistics are the same on every rank
+    strategy.check_model(model, cfg.batchnorm.convert)  # frozen statistics are the same on every rank
     with pytest.raises(UserError) as info:
         units_to_shard(model, ["Block"])
     assert_one_line_user_error(info.value, "strategy.wrap=['Block']: this model has no Block", "BatchNorm2d, Conv2d")

@@ -176,7 +176,7 @@ def test_every_experiment_composes_and_sweeps_something(compose_with_hydra):
 
 def test_sweep_summary_callback_is_configured(compose_with_hydra):
     cfg = compose_with_hydra()
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "accutrain.report.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "accutrain.cli.sweep_summary.SweepSummary"
 
 
 def test_launcher_configs_compose(compose_with_hydra):

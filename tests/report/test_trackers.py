@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 
 from accutrain.errors import UserError
 from accutrain.trackers import Trackers
-from conftest import SLOW_MODEL, TINY, TINY_DATA, read_metrics, run_cli, start, train_here, train_run, wait_for_steps
+from conftest import run_of, SLOW_MODEL, TINY, TINY_DATA, read_metrics, run_cli, start, train_here, train_run, wait_for_steps
 
 # 100 samples in windows of 32: 4 optimizer steps per epoch (the last window of 4 samples), 8 over two epochs.
 SPLIT = ["data.size=100", "micro_batch=16", "accum=2"]
@@ -265,7 +265,7 @@ def test_a_missing_tracker_library_is_one_line_naming_the_extra(compose, tmp_pat
                                                                    extra):
     monkeypatch.setitem(__import__("sys").modules, module, None)  # `import module` now fails
     with pytest.raises(UserError) as error:
-        Trackers.build(compose(f"logger={logger}"), tmp_path)
+        Trackers.build(run_of(f"logger={logger}"), tmp_path)
     assert str(error.value) == f'logger={logger} needs the {module.split(".")[-1]} package: pip install ' \
                                f'"accutrain[{extra}]"'
 
@@ -281,7 +281,7 @@ def test_a_missing_tracker_library_is_one_line_naming_the_extra(compose, tmp_pat
 ])
 def test_bad_tracker_options_are_one_line(compose, tmp_path, args, fragment):
     with pytest.raises(UserError) as error:
-        Trackers.build(compose(*args), tmp_path)
+        Trackers.build(run_of(*args), tmp_path)
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
@@ -319,7 +319,7 @@ def test_an_unreachable_mlflow_server_is_switched_off_in_seconds(tmp_path):
 def test_a_tracker_cannot_take_the_run_directorys_own_names(compose, tmp_path, args, fragment):
     """Issue 32, item 8: `logger.csv.filename=metrics.jsonl` replaced the metrics with CSV rows."""
     with pytest.raises(UserError) as error:
-        Trackers.build(compose(*TINY, *args), tmp_path / "run")
+        Trackers.build(run_of(*TINY, *args), tmp_path / "run")
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.errors import UserError
 from accutrain.run.launch import train
 from conftest import TINY, assert_one_line_user_error, train_here
@@ -27,6 +28,6 @@ def test_best_pt_holds_the_weights_without_the_optimizer_state(tmp_path):
 def test_resuming_from_best_pt_is_one_line_naming_what_to_resume_from(tmp_path):
     run_dir, _ = train_here(tmp_path, "run", *TINY, "trainer.max_steps=2")
     with pytest.raises(UserError) as e:
-        train(compose(*TINY, "trainer.max_steps=4", f"resume={run_dir / 'checkpoints' / 'best.pt'}"),
+        train(typed_run(compose(*TINY, "trainer.max_steps=4", f"resume={run_dir / 'checkpoints' / 'best.pt'}")),
               tmp_path / "again")
     assert_one_line_user_error(e.value, "best.pt", "evaluation only", "last.pt")

@@ -61,7 +61,7 @@ def test_resume_auto_continues_a_used_directory_and_overwrite_replaces_it(tmp_pa
     assert snapshot(run_dir) == snapshot(used_run(tmp_path, "same"))  # checking touched nothing
 
     with captured_log() as log:
-        rundir.prepare(run_dir, compose(*QUICK, "trainer.overwrite=true"))
+        rundir.prepare(run_dir, None, True)  # trainer.overwrite=true
     assert "trainer.overwrite=true: deleted the earlier run's checkpoints/step-00000007.pt, metrics.jsonl, " \
            "status.json" in log.getvalue()
     assert sorted(snapshot(run_dir)) == ["notes.txt", "train.log"] and not (run_dir / "train.log").read_text()

@@ -13,7 +13,7 @@ from accutrain.data.datasets import sequences
 from accutrain.models.factories import char_lm, mlp, torchvision_classifier
 from accutrain.models.norms import batchnorm_warning, convert_norm
 from accutrain.train.check import batch_dependent_modules, components_for_check, run_check
-from conftest import TINY, assert_same_weights, final_weights, read_metrics, run_cli, train_here
+from conftest import run_of, TINY, assert_same_weights, final_weights, read_metrics, run_cli, train_here
 
 DIGITS = ["micro_batch=8", "accum=4"]
 SEQ = ["data=sequences", "data.size=150", "data.val_size=20", "data.max_length=16", "model=char_lm",
@@ -21,7 +21,7 @@ SEQ = ["data=sequences", "data.size=150", "data.val_size=20", "data.max_length=1
 
 
 def check(compose, *args):
-    return run_check(components_for_check(compose(*args)))
+    return run_check(components_for_check(run_of(*args)))
 
 
 @pytest.mark.parametrize("args, faithful", [

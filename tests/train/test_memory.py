@@ -15,7 +15,7 @@ from accutrain.train.auto_batch import search_micro_batch
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (EXACT, OOM, OOM_MODEL, TINY, TINY_DATA, WINDOWS, assert_one_line_user_error, assert_same_weights,
+from conftest import (run_of, EXACT, OOM, OOM_MODEL, TINY, TINY_DATA, WINDOWS, assert_one_line_user_error, assert_same_weights,
                       final_weights, read_metrics, train_here, train_run)
 
 
@@ -37,7 +37,7 @@ def test_mixed_precision_keeps_the_accumulation_equivalence(tmp_path, precision,
 
 
 def built(compose, *overrides):
-    return build(compose(*TINY, *overrides), World(), torch.device("cpu"))
+    return build(run_of(*TINY, *overrides), World(), torch.device("cpu"))
 
 
 def test_grad_scaler_acts_once_per_optimizer_step(tmp_path, compose):

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from accutrain.config.validate import validate
+from accutrain.config.validate import typed_run, validate
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.token_budget import TokenLengths
@@ -106,19 +106,17 @@ def test_what_micro_tokens_cannot_take_is_one_line(compose, overrides, message):
 ])
 def test_a_budget_below_one_sample_or_data_without_tokens_is_one_line(compose, tmp_path, lm, overrides, message):
     pytest.importorskip("transformers")
-    cfg = compose(*(lm_args(tmp_path, "micro_batch=4", "accum=4") if lm else []), *overrides)
-    validate(cfg)
+    cfg = typed_run(compose(*(lm_args(tmp_path, "micro_batch=4", "accum=4") if lm else []), *overrides))
     with pytest.raises(UserError) as info:
         build(cfg, World(), torch.device("cpu"))
     assert_one_line_user_error(info.value, message)
 
 
 def test_contrastive_refuses_micro_tokens(compose):
-    from accutrain.models.losses import attach, build_loss
     cfg = compose("model=mlp", "data=synthetic", "loss=contrastive", "augment.views=2", "augment.crop=pad",
                   "micro_tokens=64")
     with pytest.raises(UserError) as info:
-        attach(build_loss(cfg.loss, torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2), cfg)
+        validate(cfg)
     assert_one_line_user_error(info.value, "loss=contrastive cannot be combined with micro_tokens=64")
 
 

@@ -16,7 +16,7 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.store.status import read_status, write_status
 from accutrain.train.build import build
-from conftest import TINY, train_here
+from conftest import run_of, TINY, train_here
 
 # lr 0.5 reaches val_acc 1.0 at step 20: the best evaluation (the first of the best) is not the last (step 30).
 TESTED = [*TINY, "data.test=40", "trainer.epochs=3", "optim.lr=0.5", "trainer.ema=0.9", "trainer.checkpoint_every=4",
@@ -50,7 +50,7 @@ def test_the_test_stage_evaluates_the_last_and_the_best_weights_over_the_whole_s
     assert test["kind"] == "test" and test["best_step"] == best["step"] == 20 and test["step"] == 30
     assert {"test_loss_ema", "test_acc_ema", "test_loss_ema_best", "test_acc_ema_best"} <= test.keys()
     held = synthetic(300, 50, 8, 10, 1, 1.0, seed=0, test=40).test
-    model = build(compose(*TESTED), World(), torch.device("cpu")).model
+    model = build(run_of(*TESTED), World(), torch.device("cpu")).model
     for name, suffix in (("last.pt", ""), ("best.pt", "_best")):
         loss, acc = by_hand(model, torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"],
                             held.images, held.labels)
@@ -136,7 +136,7 @@ def test_export_weights_writes_the_last_weights_alone_for_the_bare_model(tested)
     from safetensors.torch import load_file
 
     run_dir = tested[0]
-    model = build(compose(*TESTED), World(), torch.device("cpu")).model
+    model = build(run_of(*TESTED), World(), torch.device("cpu")).model
     model.load_state_dict(load_file(run_dir / "model.safetensors"), strict=True)
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     assert all(torch.equal(model.state_dict()[k], last[k]) for k in last)
@@ -187,7 +187,7 @@ def test_the_long_waits_show_a_bar_on_a_terminal_and_none_in_a_log(monkeypatch):
 
     monkeypatch.setattr(console, "WAIT_DELAY_S", 0.0)  # (1 s: an evaluation that takes less shows no bar)
     monkeypatch.setattr(sys, "stderr", Terminal())
-    c = build(compose(*TINY, "trainer.progress=true", "micro_batch=auto", "trainer.memory_budget_mb=100000",
+    c = build(run_of(*TINY, "trainer.progress=true", "micro_batch=auto", "trainer.memory_budget_mb=100000",
                       "global_batch=8"), World(), torch.device("cpu"))
     assert "micro_batch=auto: trial steps" in sys.stderr.getvalue() and c.plan.micro_batch == 8
     for stream, shown in ((Terminal(), True), (io.StringIO(), False)):

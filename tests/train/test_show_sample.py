@@ -8,7 +8,7 @@ import pytest
 from accutrain.cli.main import take_show_sample
 from accutrain.errors import UserError
 from accutrain.train.show_sample import show_sample
-from conftest import assert_one_line_user_error
+from conftest import run_of, assert_one_line_user_error
 
 
 def test_chat_and_prompt_masking_and_packed_documents_are_shown(tmp_path, compose):
@@ -18,23 +18,23 @@ def test_chat_and_prompt_masking_and_packed_documents_are_shown(tmp_path, compos
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     base = ["data=hf", f"data.train={tmp_path / 'chat.jsonl'}", "data.val_fraction=0.25",
             f"data.cache_dir={tmp_path / 'cache'}"]
-    shown = show_sample(compose(*base), 0)
+    shown = show_sample(run_of(*base), 0)
     _, counts, body = shown.split("\n", 2)
     i = int(re.search(r"<\|user\|>\n(\d+) plus", body).group(1))
     assert body == f"<|system|>\nBe brief.\n<|user|>\n{i} plus 1?\n<|assistant|>\n⟦{i + 1}.\n<eos>⟧"  # the answer only
     assert counts.startswith(f"{len(body.encode()) - len('⟦⟧'.encode()) - len('<eos>') + 1} tokens, "
                              f"{len(str(i + 1)) + 3} counted in the loss")
-    packed = show_sample(compose(*base, "data.packing=true"), 0)
+    packed = show_sample(run_of(*base, "data.packing=true"), 0)
     assert "── document 2 ──" in packed and "packed documents" in packed and packed.count("⟦") >= 2
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}: ", "response": "ok"}) + "\n"
                                                   for i in range(6)))
-    pairs = show_sample(compose("data=text", f"data.train={tmp_path / 'pairs.jsonl'}", "data.val_fraction=0.2"), 1)
+    pairs = show_sample(run_of("data=text", f"data.train={tmp_path / 'pairs.jsonl'}", "data.val_fraction=0.2"), 1)
     assert pairs.split("\n", 2)[2].endswith(": ⟦ok<eos>⟧")
     with pytest.raises(UserError) as info:
-        show_sample(compose(*base), 99)
+        show_sample(run_of(*base), 99)
     assert_one_line_user_error(info.value, "--show-sample=99: the training split has 6 samples")
     with pytest.raises(UserError) as info:
-        show_sample(compose("data=digits"), 0)
+        show_sample(run_of("data=digits"), 0)
     assert_one_line_user_error(info.value, "--show-sample shows a language-modelling sample")
 
 

@@ -30,7 +30,7 @@ from accutrain.train.check import components_for_check, run_check
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import StepLog
-from conftest import (TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
+from conftest import (run_of, TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
                       train_here, train_run)
 
 AOT = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
@@ -252,7 +252,7 @@ def test_compile_with_activation_checkpointing_and_autocast_matches_eager(tmp_pa
 
 
 def test_accutrain_check_runs_on_a_compiled_model(compose, fresh_dynamo):
-    result = run_check(components_for_check(compose(*TINY, *AOT, "micro_batch=4", "accum=4")))
+    result = run_check(components_for_check(run_of(*TINY, *AOT, "micro_batch=4", "accum=4")))
     assert result.faithful, result.lines()
 
 
@@ -262,7 +262,7 @@ def test_ddp_around_the_compiled_model_still_reduces_once_per_step(tmp_path, com
     torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                                   world_size=1)
     try:
-        c = build(compose(*TINY, *AOT, "data.size=117", "trainer.epochs=1", "micro_batch=8", "accum=4"), World(),
+        c = build(run_of(*TINY, *AOT, "data.size=117", "trainer.epochs=1", "micro_batch=8", "accum=4"), World(),
                   torch.device("cpu"))
         strategy = Strategy(World(0, 2), torch.device("cpu"))  # wraps as with 2 devices; the group has 1 rank
         c = dataclasses.replace(c, wrapped=strategy.wrap(c.model), strategy=strategy)

@@ -5,8 +5,8 @@ tests/config/test_hydra_internals.py fails, naming the function, when a Hydra re
 from __future__ import annotations
 
 from argparse import ArgumentParser
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Optional
 
 
 def args_parser() -> ArgumentParser:
@@ -50,3 +50,23 @@ def sweep_jobs(parsed_overrides: list[Any]) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     return [list(job) for job in BasicSweeper.split_arguments(parsed_overrides, None)[0]]
+
+
+def run(argv: list[str], task: Callable[[Any], Any], config_path: str, config_name: str,
+        mode: Optional[tuple[Any]] = None) -> None:
+    """What `hydra.main` does with a command line, for `argv` (not sys.argv) and `task` (a closure holding what the
+    command line decided): --experimental-rerun, or Hydra's run of the job (a sweep's jobs); `mode`, where the
+    checks read it — `(hydra.mode,)` — spares Hydra a composition (known_mode)."""
+    from hydra import version
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.main import _get_rerun_conf
+
+    version.setbase("1.3")
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.experimental_rerun is not None:
+        task(_get_rerun_conf(args.experimental_rerun, args.overrides))
+        return
+    with known_mode(mode[0]) if mode is not None else nullcontext():
+        _run_hydra(args=args, args_parser=parser, task_function=task, config_path=config_path,
+                   config_name=config_name)

@@ -11,9 +11,10 @@ import sys
 import traceback
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from accutrain.config.train import GROUP_NODES
+from accutrain.config.train import GROUP_NODES, TrainConfig
+from accutrain.config.typed import Factory
 from accutrain.errors import UserError, one_line
 
 log = logging.getLogger("accutrain")
@@ -47,8 +48,14 @@ def load_target(key: str, target: str) -> Callable[..., Any]:
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ImportError as e:
+            if isinstance(e, ModuleNotFoundError) and e.name is not None and not ".".join(parts[:i]).startswith(
+                    e.name):  # the module exists but imports something missing: say so, not "cannot import it"
+                raise UserError(f"{key}={target}: importing {'.'.join(parts[:i])} raised {one_line(e)}") from e
             first_error = first_error or e
             continue
+        except Exception as e:  # a SyntaxError, or the module raising while it is imported
+            raise UserError(f"{key}={target}: importing {'.'.join(parts[:i])} raised {one_line(e)}"
+                            f"{where(e)}") from e
         for j, attr in enumerate(parts[i:]):
             if not hasattr(obj, attr):
                 raise UserError(f"{key}={target}: {'.'.join(parts[: i + j])} has no attribute {attr!r}")
@@ -59,11 +66,22 @@ def load_target(key: str, target: str) -> Callable[..., Any]:
     raise UserError(f"{key}={target}: cannot import it ({first_error or 'expected module.attribute'})")
 
 
-def plain(node: DictConfig | dict) -> dict[str, Any]:
+def where(error: BaseException) -> str:
+    """` (file.py:12)`: where in the user's file an import failed (a SyntaxError's line, else the last frame)."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f" ({os.path.basename(error.filename)}:{error.lineno})"
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+
+
+def plain(node: Factory | DictConfig | dict) -> dict[str, Any]:
+    """A factory node as plain data, `_target_` and its arguments."""
+    if isinstance(node, Factory):
+        return node.node()
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def instantiate(key: str, node: DictConfig | dict, *args: Any) -> Any:
+def instantiate(key: str, node: Factory | DictConfig | dict, *args: Any) -> Any:
     """`hydra.utils.instantiate(node, *args)`: its `_target_` called with `args` and the node's other keys (nested
     `_target_`s built first). An import error is one line naming `key._target_`; an exception the call raises
     reaches the caller as it was raised (not wrapped), so that a plug-in's own error can be named."""
@@ -76,19 +94,12 @@ def instantiate(key: str, node: DictConfig | dict, *args: Any) -> Any:
     return hydra_instantiate(values, _partial_=True, _convert_="all")(*args)
 
 
-def run_arguments(key: str, node: DictConfig | dict, offered: dict[str, Any]) -> dict[str, Any]:
+def run_arguments(key: str, node: Factory | DictConfig | dict, offered: dict[str, Any]) -> dict[str, Any]:
     """The arguments of `offered` (the run's seed, the data's num_classes, …) that `key._target_` takes and the
-    node does not set: what the run records in the node before instantiating it."""
+    node does not set: what the run supplies to the factory (and records beside its config, config/typed.Supplied)."""
     values = plain(node)
     target = load_target(f"{key}._target_", values["_target_"])
     return {k: v for k, v in accepted(target, offered).items() if k not in values}
-
-
-def record(node: DictConfig, arguments: dict[str, Any]) -> None:
-    """Add `arguments` to a factory node of the run's config (so config.yaml holds every argument of the call)."""
-    with open_dict(node):
-        for name, value in arguments.items():
-            node[name] = value
 
 
 def refuse_unknown_arguments(key: str, name: str, target: Callable[..., Any], kwargs: dict[str, Any]) -> None:
@@ -119,13 +130,18 @@ def accepted(target: Callable[..., Any], offered: dict[str, Any]) -> dict[str, A
     return {k: v for k, v in offered.items() if takes_any or k in params}
 
 
-def plugin_failure(error: BaseException, cfg: DictConfig) -> Optional[str]:
+def targets(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(key, `_target_`) of every factory node of the run: model, data, optim, sched, loss, each logger."""
+    found = [(group, getattr(cfg, group).target) for group in GROUP_NODES if group not in ("strategy", "logger")]
+    return found + [(f"logger.{name}", node.target) for name, node in cfg.logger.items()]
+
+
+def plugin_failure(error: BaseException, cfg: TrainConfig) -> Optional[str]:
     """When `error` was raised in the code of a user plug-in (a `_target_` outside accutrain), one line naming it,
     the error and where: `the model mymodels.Net raised RuntimeError: … (mymodels.py:12, in forward)`; else None."""
     frames = traceback.extract_tb(error.__traceback__)
-    for group in GROUP_NODES:
-        target = OmegaConf.select(cfg, f"{group}._target_")
-        if not isinstance(target, str) or target.startswith("accutrain."):
+    for group, target in targets(cfg):
+        if target.startswith("accutrain."):
             continue
         parts = target.split(".")
         modules = [sys.modules.get(".".join(parts[:i])) for i in range(len(parts) - 1, 0, -1)]
@@ -137,3 +153,33 @@ def plugin_failure(error: BaseException, cfg: DictConfig) -> Optional[str]:
             where = f"{os.path.basename(here[-1].filename)}:{here[-1].lineno}, in {here[-1].name}"
             return f"the {group} {target} raised {one_line(error)} ({where})"
     return None
+
+
+def check_plugins(cfg: TrainConfig) -> None:
+    """Every `_target_` of the user's own imports (a syntax error or an exception at import is one line naming the
+    key, the file and the line), and a custom loss takes the arguments its node gives it: before anything runs."""
+    for key, target in targets(cfg):
+        if target.startswith("accutrain."):
+            continue
+        made = load_target(f"{key}._target_", target)
+        if key == "loss":
+            check_loss_call(made, target, {k: v for k, v in cfg.loss.arguments.items()
+                                           if k not in ("normalize", "ignore_index")})
+
+
+def check_loss_call(make: Callable[..., Any], target: str, kwargs: dict[str, Any]) -> None:
+    """loss=custom calls `_target_(output, target, **node)` for a function, or `_target_(**node)(output, target)` for
+    a class: a required argument the node does not give is one line, not a TypeError in the first step."""
+    try:
+        if inspect.isclass(make):
+            inspect.signature(make).bind(**kwargs)
+            inspect.signature(make.__call__).bind(None, None, None)
+        else:
+            inspect.signature(make).bind(None, None, **kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ValueError):  # no signature to read: the call decides
+            return
+        missing = str(e).removeprefix("missing a required argument: ").strip("'")
+        raise UserError(f"loss._target_={target} cannot be called as accutrain calls a loss ({e}): "
+                        + (f"give it with +loss.{missing}=…" if "missing a required argument" in str(e) else
+                           "it takes (output, target) and the loss node's keys as keyword arguments")) from None

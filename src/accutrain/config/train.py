@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from accutrain.config.loss_schemas import BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig
@@ -242,6 +241,8 @@ def register_schemas() -> None:
     """Put the schemas in Hydra's ConfigStore, once per process (storing converts every dataclass to a config: a
     tenth of a second, which every composition would otherwise pay again); the yaml files name them in their
     defaults."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)

@@ -10,6 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from accutrain.config.refusals import refuse_combinations
+from accutrain.config.train import TrainConfig
+from accutrain.config.typed import typed
 from accutrain.config.validate_values import check_values
 from accutrain.core.monitor import METRICS
 from accutrain.core.options import Beta2Scaling, LRScaling
@@ -128,7 +131,17 @@ def validate(cfg: DictConfig) -> None:
             raise UserError(f"trainer.preempt_signals has {name}, which is not a signal a process can catch: expected "
                             "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
     validate_strategy(cfg)
+    if cfg.augment.views not in (1, 2):
+        raise UserError(f"augment.views={cfg.augment.views} is not valid: expected 1, or 2 (a pair of views per sample)")
     check_values(cfg)
+    refuse_combinations(typed(cfg))
+
+
+def typed_run(cfg: DictConfig) -> TrainConfig:
+    """The composed task config checked (validate) and typed (accutrain.config.typed): the run every layer below the
+    command line receives."""
+    validate(cfg)
+    return typed(cfg)
 
 
 def validate_batch_following(cfg: DictConfig) -> None:
@@ -195,38 +208,11 @@ def augment_and_loss(cfg: DictConfig) -> None:
 
 
 def validate_strategy(cfg: DictConfig) -> None:
-    """strategy=: its name is the option's, and FSDP is refused with what it cannot combine with, key by key."""
-    s, t = cfg.strategy, cfg.trainer
+    """strategy=: its name is the option's (what FSDP cannot be combined with is in accutrain.config.refusals)."""
+    s = cfg.strategy
     if s.name not in ("ddp", "fsdp") or (s.name == "fsdp") != ("sync" in s):
         raise UserError(f"strategy.name={s.name} is not valid: choose the strategy with strategy=ddp or strategy=fsdp "
                         "(which brings its keys)")
-    if s.name != "fsdp":
-        return
-    refused = [
-        (cfg.micro_batch == "auto", "micro_batch=auto", "a trial step that runs out of memory on one rank would "
-         "leave the others waiting in FSDP's collectives; give micro_batch=N"),
-        (t.offload_grads, "trainer.offload_grads=true", "use strategy.cpu_offload=true, which keeps the sharded "
-         "weights, gradients and optimizer state in host memory"),
-        (t.accum_dtype is not None, f"trainer.accum_dtype={t.accum_dtype}", "with trainer.precision=bf16-mixed FSDP "
-         "already reduces and accumulates gradients in float32"),
-        (str(t.precision) == "16-mixed", "trainer.precision=16-mixed", "float16 with a GradScaler is not verified "
-         "with FSDP; use bf16-mixed"),
-        (cfg.batchnorm.sync, "batchnorm.sync=true", "use batchnorm.convert=group or batchnorm.convert=frozen"),
-        (t.ema_device is not None, f"trainer.ema_device={t.ema_device}", "the average is sharded like the weights "
-         "(1/devices of it per rank); strategy.cpu_offload=true keeps both in host memory"),
-        (t.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not verified with "
-         "accutrain's exact accumulation; use strategy=ddp to compile"),
-        (t.noise_scale, "trainer.noise_scale=true", "FSDP's gradients are sharded and reduced as they arrive, so a "
-         "micro-batch's own gradient is never whole on a rank; use strategy=ddp to measure the noise scale"),
-        (cfg.model.get("adapter") is not None, f"model.adapter={cfg.model.get('adapter')}", "sharding a frozen "
-         "base with its adapter is not verified with adapter-only checkpoints; use strategy=ddp, which reduces only "
-         "the adapter's gradients"),
-        (t.get("export") is not None, f"trainer.export={t.get('export')}", "exporting needs the whole model in "
-         "one process; load the run's full checkpoint (strategy.checkpoint=full) into the model and export that"),
-    ]
-    for bad, key, remedy in refused:
-        if bad:
-            raise UserError(f"strategy=fsdp cannot be combined with {key}: {remedy}")
 
 
 def validate_compile(trainer: Any) -> None:

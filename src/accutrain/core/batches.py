@@ -109,8 +109,8 @@ class BatchFormat:
 
 def batch_format(loader_cfg: Any, collate: Optional[Callable[[list], Any]]) -> BatchFormat:
     """The run's BatchFormat: the data's collate (Datasets.collate) and loader.input_keys / loader.target_key."""
-    keys = loader_cfg.get("input_keys")
-    return BatchFormat(collate or default_collate, tuple(keys) if keys else None, loader_cfg.get("target_key", "labels"))
+    keys = loader_cfg.input_keys
+    return BatchFormat(collate or default_collate, tuple(keys) if keys else None, loader_cfg.target_key)
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,17 @@ samples (4 bytes × N²: 16 MiB at N = 2,048; 1 GiB at 16,384); it is not chunke
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.gradcache import accumulate_window_loss, evaluate_window, one_pass, wide
+from accutrain.core.precision import Precision
 from accutrain.errors import UserError
 
 HEAD = "contrastive_logit_scale"  # the learnt temperature, as a parameter of the model (stepped, checkpointed)
@@ -40,18 +43,22 @@ class Temperature(nn.Module):
 @dataclass
 class ContrastiveLoss:
     """The loss of `loss=contrastive`. `window`: the loss over the whole window (exact); false: over each
-    micro-batch alone (the naive accumulation, for comparison)."""
+    micro-batch alone (the naive accumulation, for comparison). A Loss (accutrain.core.loss) whose window is two
+    passes (accutrain.core.gradcache) and whose evaluation takes the whole held-out split as one candidate set."""
 
     temperature: float = 0.07
     symmetric: bool = True
     learn_temperature: bool = False
     window: bool = True
     head: Optional[Temperature] = field(default=None, repr=False)  # learn_temperature: set by attach()
+    name = "contrastive"
     elements = False
     tokens = False
     task = "contrastive"
     ignore_index = -100
     monitor = "val_loss"
+    min_window = 2  # one pair has no negative: its loss is 0 whatever the weights
+    whole_window = True
 
     def scale(self) -> torch.Tensor | float:
         return self.head.scale() if self.head is not None else 1.0 / self.temperature
@@ -59,6 +66,7 @@ class ContrastiveLoss:
     def target(self, labels: torch.Tensor) -> torch.Tensor:
         return labels
 
+    # --- the maths -------------------------------------------------------------------------------------------
     def per_sample(self, embeddings: torch.Tensor, rows: Optional[slice] = None) -> torch.Tensor:
         """Each sample's InfoNCE loss against every sample of `embeddings` (N, 2, D) as negatives; `rows`: only
         those samples' losses (the candidates stay all N)."""
@@ -72,12 +80,12 @@ class ContrastiveLoss:
             loss = (loss + F.cross_entropy(b[rows] @ a.T * self.scale(), positives, reduction="none")) / 2
         return loss
 
-    def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Σ of the micro-batch's losses with its own samples as the only negatives: loss.window=false's loss."""
-        return self.per_sample(pairs(embeddings)).sum()
+    def embed(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+              ) -> torch.Tensor:
+        return embed(model, batch, cast)
 
-    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
-        return sum(len(as_batch(b)) for b in micro_batches)
+    def empty_rows(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros((0, 2, 1), device=device)
 
     def eval_rows(self, embeddings: torch.Tensor, rows: slice) -> torch.Tensor:
         """float64 [summed loss, samples, view-1 retrieved first for view 0] of the samples `rows`, every sample of
@@ -94,10 +102,57 @@ class ContrastiveLoss:
         of all the split's view 1s to its view 0)."""
         return {"val_loss": sums[0] / sums[1], "val_recall1": sums[2] / sums[1]}
 
+    # --- the Loss protocol ---------------------------------------------------------------------------------------
+    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
+        return sum(len(as_batch(b)) for b in micro_batches)
 
-def wide(t: torch.Tensor) -> torch.Tensor:
-    """`t` in float32 at least (half-precision embeddings are promoted, float64 kept)."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    def accumulate(self, model: nn.Module, micro_batches: Iterable[Batch | Sequence[torch.Tensor]], terms: int,
+                   device: torch.device, *, world: int = 1, no_sync: Callable[[], ContextManager] = nullcontext,
+                   precision: Optional[Precision] = None, observe: Optional[Callable[[int], None]] = None
+                   ) -> torch.Tensor:
+        """Two passes (gradient caching); `observe` (the noise scale's) never comes: the refusal table refuses it."""
+        return accumulate_window_loss(model, micro_batches, terms, device, self, world=world, no_sync=no_sync,
+                                      precision=precision)
+
+    def evaluate(self, model: nn.Module, loader: Iterable, device: torch.device, precision: Precision,
+                 world: int) -> torch.Tensor:
+        return evaluate_window(model, loader, device, precision, self, world)
+
+    def reference(self, model: nn.Module, batch: Batch, device: torch.device, precision: Precision) -> torch.Tensor:
+        return one_pass(model, batch, len(as_batch(batch)), self, device, precision)
+
+    def probe(self, batch: Batch) -> Batch:
+        """A batch of pairs of views as a batch of single views (each sample's target repeated)."""
+        return Batch(batch.inputs.flatten(0, 1), batch.target.repeat_interleave(2, 0), batch.stand_in)
+
+    def notes(self, batch: Batch) -> list[str]:
+        return []
+
+    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
+        """The pairs reach the model as pairs, and the model returns an embedding per view."""
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                embed(model, batch)
+        finally:
+            model.train(training)
+
+    def attach(self, model: nn.Module) -> list[str]:
+        """A learnt temperature becomes a parameter of the model (`contrastive_logit_scale`): the optimizer steps it,
+        checkpoints hold it, DDP reduces it."""
+        if self.learn_temperature:
+            first = next(model.parameters())
+            self.head = Temperature(self.temperature).to(device=first.device, dtype=torch.float32)
+            model.register_parameter(HEAD, self.head.logit_scale)  # not a module: an nn.Sequential would call it
+        if not self.window:
+            return ["loss.window=false: each micro-batch's contrastive loss has only its own samples as negatives, so "
+                    "the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)"]
+        return []
+
+    def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Σ of the micro-batch's losses with its own samples as the only negatives: loss.window=false's loss."""
+        return self.per_sample(pairs(embeddings)).sum()
 
 
 def pairs(output: torch.Tensor) -> torch.Tensor:
@@ -108,7 +163,7 @@ def pairs(output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def embed(model: nn.Module, batch: Batch, cast=lambda t: t) -> torch.Tensor:
+def embed(model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
     """The micro-batch's embeddings (N, 2, D): both views through the model as one batch of 2N."""
     x = batch.inputs
     if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] != 2:

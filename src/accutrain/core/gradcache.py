@@ -3,27 +3,55 @@
     pass 1  forward every micro-batch of the window without gradients; keep its embeddings and its RNG state
     loss    gather every rank's embeddings (negatives span the window on every device); L = Σ_i loss_i over the
             window's samples, and G = ∂(L × world / |W|)/∂embeddings, once
-    pass 2  forward each micro-batch again with its RNG state replayed (dropout draws the same masks) and
-            backpropagate its slice of G — gradients synchronised on the last micro-batch only, as accumulate does
+    pass 2  read the window again (step.Rereadable: the same samples and views, never kept), forward each
+            micro-batch with its RNG state replayed (dropout draws the same masks) and backpropagate its slice of
+            G — gradients synchronised on the last micro-batch only, as accumulate does (step.micro_steps)
 
 Every rank computes the same L from the same gathered embeddings and backpropagates only its own samples' rows of
 G through its own encoder; DDP's mean over ranks then gives ∇(L / |W|), the big batch's gradient. A learnt
 temperature's gradient comes from the loss alone, the same on every rank; DDP reduces it with the window's last
 backward like any weight's.
-Memory: the window's embeddings and its micro-batches' inputs (kept for pass 2), one micro-batch's activations.
+Memory: the window's embeddings and one micro-batch's inputs and activations.
+
+The loss is any `WindowObjective`: how a micro-batch becomes rows of embeddings, each sample's loss over the rows of
+the whole window, the evaluation sums over a whole split, its learnt scale (if any).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch, stand_in_guard
-from accutrain.core.contrastive import ContrastiveLoss, embed, wide
 from accutrain.core.precision import Precision, make_precision
+from accutrain.core.step import micro_steps, rereadable
+
+
+class WindowObjective(Protocol):
+    """The maths a two-pass accumulation needs of a window-level loss."""
+
+    window: bool  # false: each micro-batch's own loss (the naive accumulation, for comparison)
+    head: Optional[nn.Module]  # a learnt scale with a `logit_scale` parameter, or None
+
+    def embed(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's embeddings, one row per sample (N, …)."""
+
+    def per_sample(self, embeddings: torch.Tensor, rows: Optional[slice] = None) -> torch.Tensor:
+        """Each sample's loss (of `rows`, default all) with every row of `embeddings` a candidate."""
+
+    def eval_rows(self, embeddings: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The evaluation sums (float64) of the samples `rows`, every row of `embeddings` a candidate."""
+
+    def empty_rows(self, device: torch.device) -> torch.Tensor:
+        """Embeddings of no sample, shaped as this loss's rows."""
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 at least (half-precision embeddings are promoted, float64 kept)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def gather_rows(local: torch.Tensor, world: int) -> tuple[torch.Tensor, slice]:
@@ -53,12 +81,16 @@ def set_rng(state: tuple[torch.Tensor, Optional[torch.Tensor]], device: torch.de
         torch.cuda.set_rng_state(state[1], device)
 
 
+def on(batch: Batch, device: torch.device) -> Batch:
+    return batch.to(device) if device.type != "cpu" else batch
+
+
 def accumulate_window_loss(
     model: nn.Module,
     micro_batches: Iterable[Batch | Sequence[torch.Tensor]],
     terms: int,
     device: torch.device,
-    loss: ContrastiveLoss,
+    loss: WindowObjective,
     *,
     world: int = 1,
     no_sync: Callable[[], ContextManager] = nullcontext,
@@ -67,21 +99,22 @@ def accumulate_window_loss(
     """accumulate() for a window-level loss: .grad then holds ∇(L / |W|) of the whole window; returns this rank's
     samples' summed loss (float64, on the device). loss.window=false: each micro-batch's own loss instead."""
     precision = precision or make_precision("32", torch.device("cpu"))
-    bare = getattr(model, "module", model)  # pass 1 needs no DDP: no gradient, no collective
-    batches = [as_batch(b) for b in micro_batches]
-    real = [b.to(device) if device.type != "cpu" else b for b in batches if not b.stand_in]
     scale = world / terms
     if not loss.window:
-        return naive(model, batches, real, scale, device, loss, world, no_sync, precision)
-
+        return naive(model, micro_batches, scale, device, loss, no_sync, precision)
+    window = rereadable(micro_batches)
+    bare = getattr(model, "module", model)  # pass 1 needs no DDP: no gradient, no collective
     states, cached = [], []
     with torch.no_grad():
-        for batch in real:  # pass 1
+        for batch, _ in micro_steps(window):  # pass 1
+            if batch.stand_in:
+                continue
             states.append(rng_of(device))
             with precision.autocast():
-                cached.append(wide(embed(bare, batch, precision.inputs)))
+                cached.append(wide(loss.embed(bare, on(batch, device), precision.inputs)))
     after = rng_of(device)
-    local = torch.cat(cached) if cached else torch.zeros((0, 2, 1), device=device)
+    local = torch.cat(cached) if cached else loss.empty_rows(device)
+    del cached
     everyone, mine = gather_rows(local, world)
     everyone = everyone.detach().requires_grad_()
     per_sample = loss.per_sample(everyone)
@@ -92,48 +125,37 @@ def accumulate_window_loss(
         (loss.head.logit_scale * (grads[1] / terms)).backward()  # outside a DDP forward: accumulated, not reduced
     touch = loss.head.logit_scale * 0.0 if loss.head is not None else 0.0  # DDP reduces it with the last backward
 
-    todo = [b for b in batches if not b.stand_in] or batches[-1:]
-    if batches and batches[-1].stand_in and len(todo) and not todo[-1].stand_in:
-        todo.append(batches[-1])  # the synchronising micro-batch is a stand-in: forward it for the all-reduce
-    offset = 0
-    for k, batch in enumerate(todo):  # pass 2
-        last = k == len(todo) - 1
-        with no_sync() if not last else nullcontext(), (
+    replay, offset = iter(states), 0
+    for batch, synchronises in micro_steps(window.again()):  # pass 2: the same walk, read anew
+        with nullcontext() if synchronises else no_sync(), (
                 stand_in_guard(model, device) if batch.stand_in else nullcontext()):
-            if batch.stand_in:
-                batch = batch.to(device) if device.type != "cpu" else batch
-                with precision.autocast():
-                    out = embed(model, batch, precision.inputs)
-                precision.backward(wide(out).sum() + touch, 0.0)
-                continue
-            set_rng(states[k], device)
-            batch = real[k]
+            batch = on(batch, device)
+            if not batch.stand_in:
+                set_rng(next(replay), device)  # the k-th real micro-batch of pass 2 is pass 1's k-th
             with precision.autocast():
-                out = embed(model, batch, precision.inputs)
+                out = wide(loss.embed(model, batch, precision.inputs))
             n = len(batch)
-            precision.backward((wide(out) * cache[offset: offset + n]).sum() + (touch if last else 0.0))
+            rows = cache[offset: offset + n] if n else torch.zeros_like(out)
+            precision.backward((out * rows).sum() + (touch if synchronises else 0.0),
+                               0.0 if batch.stand_in else 1.0)
             offset += n
     set_rng(after, device)
     return per_sample.detach()[mine].double().sum()
 
 
-def naive(model: nn.Module, batches: list[Batch], real: list[Batch], scale: float, device: torch.device,
-          loss: ContrastiveLoss, world: int, no_sync: Callable[[], ContextManager], precision: Precision
+def naive(model: nn.Module, micro_batches: Iterable[Batch | Sequence[torch.Tensor]], scale: float,
+          device: torch.device, loss: WindowObjective, no_sync: Callable[[], ContextManager], precision: Precision
           ) -> torch.Tensor:
-    """loss.window=false: each micro-batch's loss with its own samples as the only negatives (not the big batch's
+    """loss.window=false: each micro-batch's loss with its own samples as the only candidates (not the big batch's
     objective), summed and divided by |W| as accumulate does."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    todo = [b for b in batches if not b.stand_in]
-    if not todo or batches[-1].stand_in:
-        todo.append(batches[-1])
-    for k, batch in enumerate(todo):
-        last = k == len(todo) - 1
-        with no_sync() if not last else nullcontext(), (
+    for batch, synchronises in micro_steps(micro_batches):
+        with nullcontext() if synchronises else no_sync(), (
                 stand_in_guard(model, device) if batch.stand_in else nullcontext()):
-            batch = batch.to(device) if device.type != "cpu" else batch
+            batch = on(batch, device)
             with precision.autocast():
-                out = embed(model, batch, precision.inputs)
-            summed = loss(wide(out), batch.target)
+                out = wide(loss.embed(model, batch, precision.inputs))
+            summed = loss.per_sample(out).sum()
             precision.backward(summed, 0.0 if batch.stand_in else scale)
         if not batch.stand_in:
             total += summed.detach()
@@ -142,9 +164,9 @@ def naive(model: nn.Module, batches: list[Batch], real: list[Batch], scale: floa
 
 @torch.no_grad()
 def evaluate_window(model: nn.Module, loader: Iterable, device: torch.device, precision: Precision,
-                    loss: ContrastiveLoss, world: int) -> torch.Tensor:
+                    loss: WindowObjective, world: int) -> torch.Tensor:
     """Sums over this rank's share of the held-out split, every sample of the whole split (all ranks') a candidate:
-    all-reduced, they are the loss and recall@1 of the split as one set, whatever the ranks or eval batches."""
+    all-reduced, they are the split's as one set, whatever the ranks or eval batches."""
     was_training = model.training
     model.eval()
     bare = getattr(model, "module", model)
@@ -153,17 +175,21 @@ def evaluate_window(model: nn.Module, loader: Iterable, device: torch.device, pr
         batch = as_batch(batch).to(device)
         if len(batch):
             with precision.autocast():
-                cached.append(wide(embed(bare, batch, precision.inputs)))
+                cached.append(wide(loss.embed(bare, batch, precision.inputs)))
     model.train(was_training)
-    local = torch.cat(cached) if cached else torch.zeros((0, 2, 1), device=device)
+    local = torch.cat(cached) if cached else loss.empty_rows(device)
     everyone, mine = gather_rows(local, world)
     return loss.eval_rows(everyone, mine)
 
 
-def one_pass(model: nn.Module, batch: Batch, terms: int, loss: ContrastiveLoss, device: torch.device) -> torch.Tensor:
+def one_pass(model: nn.Module, batch: Batch, terms: int, loss: WindowObjective, device: torch.device,
+             precision: Optional[Precision] = None) -> torch.Tensor:
     """The reference: the window as ONE differentiable forward and backward of L / |W| (what gradient caching must
     equal; accutrain-check and the tests compare with it). Returns the summed loss."""
+    precision = precision or make_precision("32", torch.device("cpu"))
     batch = as_batch(batch).to(device)
-    summed = loss.per_sample(embed(model, batch)).sum()
+    with precision.autocast():
+        out = wide(loss.embed(model, batch, precision.inputs))
+    summed = loss.per_sample(out).sum()
     (summed / terms).backward()
     return summed.detach().double()

@@ -1,91 +1,162 @@
-"""The loss as accumulation needs it: summed over a micro-batch's terms (samples, or elements whose target is not
-ignore_index), so that the window's real count |W|, not the micro-batch, divides (accutrain.core.step).
+"""The loss protocol: what every loss family (`loss=`) implements, so that the loop, accutrain-check and the build
+use the run's loss without knowing which it is — and cross-entropy, the default family.
 
-Every loss of `loss=` (this module's cross-entropy, accutrain.core.losses' others) is a `Loss`: it sums a micro-batch's
-terms, counts the terms of any micro-batches from their targets alone (|W| is known before the first backward), and
-reduces an evaluation to sums (exact over ranks: all-reduced, then divided once)."""
+A family decides how a window is accumulated (one pass per micro-batch, or two passes with cached gradients for a
+loss over the whole window), how the held-out split is evaluated (per sample, or as one candidate set), what
+accutrain-check compares, and what its targets must look like. Its refusals of other options are rows of
+accutrain.config.refusals, checked before PyTorch loads. Adding a family: a module in core/ (its maths and these
+methods), a config node (configs/loss/), its row in the refusal table, tests — nothing in train/ (docs/layout.md).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 import math
-from typing import Iterable, Optional, Protocol, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.options import Normalize
+from accutrain.core.precision import Precision
+from accutrain.core.step import accumulate, evaluate
+from accutrain.core.summing import count_terms, cross_entropy_sums, shift_left, summed_cross_entropy
+from accutrain.errors import UserError
 
-
-def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                         label_smoothing: float = 0.0, per_sequence: bool = False) -> torch.Tensor:
-    """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides.
-    Targets are class indices per sample (logits N×C) or per element (logits N×C×d…, targets N×d…), whose
-    ignore_index adds nothing, or class probabilities per sample (N×C floats: MixUp/CutMix's soft targets).
-    label_smoothing ε makes each target (1 - ε) × itself + ε/C on every class, per term: the sum stays a sum of
-    per-term losses. Half-precision logits are promoted: the loss is float32 at least. `per_sequence`: Σ_s of
-    sample s's mean over its elements whose target is not ignore_index (0 for a sample without one) — each
-    sample's count is its own, so the sum is the same however the samples are grouped."""
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if not per_sequence:
-        return F.cross_entropy(logits, target, reduction="sum", ignore_index=ignore_index,
-                               label_smoothing=label_smoothing)
-    per_element = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
-                                  label_smoothing=label_smoothing)
-    dims = tuple(range(1, per_element.dim()))
-    counted = (target != ignore_index).sum(dims).clamp(min=1)  # padding and masked prompts carry ignore_index
-    return (per_element.sum(dims) / counted).sum()
-
-
-def shift_left(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Position t's target becomes labels[t + 1] (the last position gets ignore_index): the targets of a causal LM
-    whose labels are its inputs (Hugging Face's convention labels = input_ids)."""
-    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-
-
-def count_terms(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], elements: bool, ignore_index: int = -100
-                ) -> int:
-    """The loss terms in these micro-batches (targets as the loss sees them): samples, or elements whose target is
-    not ignore_index. A stand-in has none."""
-    batches = [as_batch(b) for b in micro_batches]
-    if not elements:
-        return sum(len(b) for b in batches)
-    return int(sum(int((b.target != ignore_index).sum()) for b in batches if not b.stand_in))
+__all__ = ["Loss", "OnePass", "SummedLoss", "make_loss", "count_terms", "summed_cross_entropy", "shift_left"]
+Batches = Iterable[Batch | Sequence[torch.Tensor]]
 
 
 class Loss(Protocol):
-    """What the loop, the step and the check need of the run's loss."""
+    """What the loop, the check and the build need of the run's loss."""
 
-    elements: bool  # the terms are counted from the targets (accutrain.core.terms), not the window's samples
+    name: str  # loss=<option>, or a plug-in's `_target_`: for messages
+    elements: bool  # |W| counts the targets' elements (accutrain.core.terms), not the window's samples
     tokens: bool  # the terms are tokens: the records add their count, their rate and the perplexity
-    task: str  # classification | regression | multilabel | custom: the metrics measured, the monitor's default
+    task: str  # classification | regression | multilabel | custom | contrastive: the metrics, the monitor's default
     ignore_index: int
-
-    def target(self, labels: torch.Tensor) -> torch.Tensor: ...
-
-    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
-
-    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int: ...
-
-    def eval_sums(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
-
-    def eval_metrics(self, sums: list[float]) -> dict[str, float]: ...
+    min_window: int  # the fewest samples a window must hold for the loss to mean anything
+    whole_window: bool  # a sample's loss depends on the window's other samples: the window is seen whole
 
     @property
-    def monitor(self) -> str: ...
+    def monitor(self) -> str:
+        """trainer.monitor=auto: the metric best.pt and early stopping follow."""
+
+    def terms(self, micro_batches: Batches) -> int:
+        """|W| of these micro-batches: samples, or counted elements — from the targets alone."""
+
+    def accumulate(self, model: nn.Module, micro_batches: Batches, terms: int, device: torch.device, *,
+                   world: int = 1, no_sync: Callable[[], ContextManager] = nullcontext,
+                   precision: Optional[Precision] = None, observe: Optional[Callable[[int], None]] = None
+                   ) -> torch.Tensor:
+        """Forward and backward this rank's micro-batches of one window (a step.Rereadable when the family reads
+        the window twice); .grad then holds ∇(the window's loss / |W|), reduced across ranks once. Returns this
+        rank's summed loss (float64, on the device)."""
+
+    def evaluate(self, model: nn.Module, loader: Iterable, device: torch.device, precision: Precision,
+                 world: int) -> torch.Tensor:
+        """This rank's sums over its share of the held-out split (float64): all-reduced, eval_metrics divides."""
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        """val_loss and the family's metrics from the summed evaluation sums of every rank."""
+
+    def reference(self, model: nn.Module, batch: Batch, device: torch.device, precision: Precision) -> torch.Tensor:
+        """accutrain-check's reference: the whole window as one batch, its gradient (the big batch's: its loss over
+        its own count) into .grad. Returns the summed loss."""
+
+    def probe(self, batch: Batch) -> Batch:
+        """The batch as the model's forward takes it, one input per row (for the check's batch-dependence probe)."""
+
+    def notes(self, batch: Batch) -> list[str]:
+        """What in the loss's own settings makes the accumulated step differ from the big batch's (check's causes)."""
+
+    def target(self, labels: torch.Tensor) -> torch.Tensor:
+        """The targets the output is compared with (labels shifted for a causal LM)."""
+
+    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
+        """The first samples through the model and the loss, once before training: the targets are what the loss
+        takes and the loss has a gradient, or one UserError naming the key (`data` is data._target_)."""
+
+    def attach(self, model: nn.Module) -> list[str]:
+        """What the loss needs of the model (a learnt temperature becomes its parameter); the warnings to log."""
+
+
+class OnePass:
+    """The window methods of a loss summed per micro-batch (cross-entropy, the per-term losses): a window is
+    step.accumulate's one pass, an evaluation the sum of its batches' eval_sums. A subclass gives the maths:
+    __call__ (Σ over a micro-batch's terms), terms, eval_sums, empty_eval, eval_metrics, target."""
+
+    min_window = 1
+    whole_window = False
+    name: str
+    terms: Callable[[Batches], int]
+    __call__: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def accumulate(self, model: nn.Module, micro_batches: Batches, terms: int, device: torch.device, *,
+                   world: int = 1, no_sync: Callable[[], ContextManager] = nullcontext,
+                   precision: Optional[Precision] = None, observe: Optional[Callable[[int], None]] = None
+                   ) -> torch.Tensor:
+        return accumulate(model, micro_batches, terms, device, world=world, no_sync=no_sync, precision=precision,
+                          loss=self, observe=observe)
+
+    def evaluate(self, model: nn.Module, loader: Iterable, device: torch.device, precision: Precision,
+                 world: int) -> torch.Tensor:
+        return evaluate(model, loader, device, precision, self)
+
+    def reference_terms(self, batch: Batch) -> int:
+        """The big batch's count, for the check's reference."""
+        return self.terms([batch])
+
+    def reference(self, model: nn.Module, batch: Batch, device: torch.device, precision: Precision) -> torch.Tensor:
+        return accumulate(model, [batch], self.reference_terms(batch), device, precision=precision, loss=self)
+
+    def probe(self, batch: Batch) -> Batch:
+        return batch
+
+    def notes(self, batch: Batch) -> list[str]:
+        return []
+
+    def check_targets(self, target: torch.Tensor, data: str) -> None:
+        """One line when the data's targets are not what the loss compares the output with."""
+
+    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
+        self.check_targets(batch.target, data)
+        training = model.training
+        model.eval()  # no dropout draw, no BatchNorm statistics moved: the run starts as it would without the check
+        try:
+            output = batch.forward(model)
+            value = self(output, batch.target)
+        except SystemExit as e:
+            raise UserError(f"loss={self.name} called sys.exit({e.code}) on the first samples: a loss returns "
+                            "per-term losses and never ends the program") from None
+        finally:
+            model.train(training)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            return  # the per-term check (losses()) has said what is wrong already
+        trained = any(p.requires_grad for p in model.parameters())
+        if trained and not value.requires_grad:
+            raise UserError(f"loss={self.name} returned a loss without gradient on the first samples (computed "
+                            "under torch.no_grad, detached, or through .item()/numpy): training could not move the "
+                            "weights; compute it from the model's output with torch operations")
+
+    def attach(self, model: nn.Module) -> list[str]:
+        return []
 
 
 @dataclass(frozen=True)
-class SummedLoss:
-    """The run's loss (`loss.*`): a micro-batch's loss summed over its terms, and how to count the terms."""
+class SummedLoss(OnePass):
+    """loss=cross_entropy: a micro-batch's loss summed over its terms, and how to count the terms."""
 
     elements: bool = False  # terms are elements (tokens), not samples
     ignore_index: int = -100
     shift_labels: bool = False  # targets are the labels shifted left by one position (labels = input_ids)
     label_smoothing: float = 0.0  # loss.label_smoothing: training only (evaluation reports the plain loss)
     per_sequence: bool = False  # loss.normalize=sequences: a term is a sample's mean over its elements
+
+    name = "cross_entropy"
+    task = "classification"
 
     def target(self, labels: torch.Tensor) -> torch.Tensor:
         """The targets the loss compares the logits with."""
@@ -95,14 +166,12 @@ class SummedLoss:
         return summed_cross_entropy(logits, self.target(labels), self.ignore_index, self.label_smoothing,
                                     self.per_sequence)
 
-    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
+    def terms(self, micro_batches: Batches) -> int:
         """|W| of these micro-batches: samples, or elements counted after the shift."""
         batches = [as_batch(b) for b in micro_batches]
         if self.shift_labels:
             batches = [Batch(b.inputs, self.target(b.target), b.stand_in) for b in batches]
         return count_terms(batches, self.elements, self.ignore_index)
-
-    task = "classification"
 
     @property
     def tokens(self) -> bool:
@@ -111,14 +180,31 @@ class SummedLoss:
     @property
     def monitor(self) -> str:
         """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss."""
-        return "val_loss" if self.elements else "val_acc"
+        return "val_loss" if self.elements or self.per_sequence else "val_acc"
+
+    def per_element(self, batch: Batch) -> bool:
+        """Targets per element (tokens), not soft targets per sample (MixUp)."""
+        return batch.target.dim() > 1 and not batch.target.is_floating_point()
+
+    def reference_terms(self, batch: Batch) -> int:
+        """The big batch's mean: over its elements when the targets are per element (a check of loss.normalize
+        too), per sequence with loss.normalize=sequences."""
+        per_element = self.per_element(batch) and not self.per_sequence
+        return dataclasses.replace(self, elements=per_element).terms([batch])
+
+    def notes(self, batch: Batch) -> list[str]:
+        if self.per_element(batch) and not self.elements and not self.per_sequence:
+            return ["per-element targets with loss.normalize=samples: the window's loss is its token losses summed "
+                    "per sample, not their mean over the window's tokens, so windows with more tokens take larger "
+                    "steps; use loss.normalize=elements"]
+        return []
 
     def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """float64 [plain summed loss (no smoothing), correct predictions, terms] of one evaluation batch."""
-        y = self.target(labels)
-        counted = y != self.ignore_index
-        return torch.stack([summed_cross_entropy(logits, y, self.ignore_index).double(),
-                            ((logits.argmax(1) == y) & counted).sum().double(), counted.sum().double()])
+        return cross_entropy_sums(logits, self.target(labels), self.ignore_index)
+
+    def empty_eval(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         """val_loss, val_acc (and val_ppl per token) from the held-out split's summed eval_sums."""
@@ -127,6 +213,18 @@ class SummedLoss:
         if self.elements:
             measured["val_ppl"] = math.exp(min(loss_sum / n, 700))
         return measured
+
+    def check_targets(self, target: torch.Tensor, data: str) -> None:
+        if self.shift_labels and target.dim() < 2:
+            raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
+                            "target per sample")
+
+    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
+        if self.per_sequence and isinstance(batch.inputs, dict) and "document_ids" in batch.inputs:
+            raise UserError("loss.normalize=sequences averages each sample's tokens, and data.packing=true makes a "
+                            "sample a block of several documents: use data.packing=false with "
+                            "loss.normalize=sequences")
+        super().check(model, batch, data)
 
 
 def make_loss(normalize: Normalize, ignore_index: int, shift_labels: Optional[bool] = None,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
-from accutrain.core.loss import SummedLoss, make_loss
+from accutrain.core.loss import OnePass, SummedLoss, make_loss
 from accutrain.core.options import Normalize
 from accutrain.errors import UserError
 
@@ -26,7 +26,7 @@ PerTerm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class PerTermLoss:
+class PerTermLoss(OnePass):
     """A loss from per-term losses: `per_term(output, target)` returns one loss per term, in the target's shape
     (or, for samples, one per sample: shape (N, …)). `name` is the config's (`loss=mse`, `loss._target_=…`)."""
 
@@ -43,6 +43,24 @@ class PerTermLoss:
 
     def target(self, labels: torch.Tensor) -> torch.Tensor:
         return labels
+
+    def check_targets(self, target: torch.Tensor, data: str) -> None:
+        """Float values for regression and multi-label losses (class indices would be read as numbers); multi-hot
+        (or soft) targets in [0, 1] for bce."""
+        if self.task not in ("regression", "multilabel"):
+            return
+        if not target.is_floating_point():
+            wanted = "float targets (values to regress)" if self.task == "regression" else "multi-hot float targets"
+            raise UserError(f"loss={self.name} needs {wanted}, but data._target_={data} gives {target.dtype} class "
+                            f"indices: use loss=cross_entropy, or data whose targets are "
+                            f"{'values' if self.task == 'regression' else 'multi-hot'} (data=synthetic data.target="
+                            f"{self.task})")
+        counted = target[self.counted(target)]
+        if self.task == "multilabel" and len(counted) and not bool(((counted >= 0) & (counted <= 1)).all()):
+            bad = counted[(counted < 0) | (counted > 1)][0].item()
+            raise UserError(f"loss={self.name} takes targets in [0, 1] (multi-hot labels, or soft ones), and "
+                            f"data._target_={data} gives {bad:g} in the first samples: rescale the targets, or use "
+                            "loss=mse for values (loss.ignore_index marks an element to skip)")
 
     def counted(self, target: torch.Tensor) -> torch.Tensor:
         """The target's elements that count: those not equal to ignore_index."""
@@ -102,6 +120,9 @@ class PerTermLoss:
         tp, fp, fn = ((predicted & actual & counted).sum(), (predicted & ~actual & counted).sum(),
                       (~predicted & actual & counted).sum())
         return torch.stack([*head, tp.double(), fp.double(), fn.double()])
+
+    def empty_eval(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(0, 1), torch.zeros(0, 1)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         """val_loss, and val_mae / val_rmse (regression) or val_f1, micro-averaged (multi-label), from the held-out

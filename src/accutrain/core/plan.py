@@ -48,6 +48,12 @@ class BatchPlan:
         the samples seen before each, then the incomplete rest (stepped on, or dropped by last_window=drop)."""
         return self._fixed_sizes if self.schedule is None else self._layout[epoch]
 
+    def smallest_window(self) -> int:
+        """The fewest samples any window of the run holds (an epoch's incomplete last one, with last_window=step)."""
+        if self.schedule is None:
+            return min(self._fixed_sizes)
+        return min(min(sizes) for sizes in self._layout[: self.total_epochs])
+
     def seen_before(self, epoch: int) -> int:
         """Samples the run has trained on when epoch `epoch` begins."""
         if self.schedule is None:

@@ -14,18 +14,56 @@ an (inputs, target) pair); a stand-in batch (a rank with an empty share) backpro
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch, stand_in_guard
 from accutrain.core.compiled import eager
-from accutrain.core.loss import Loss, SummedLoss, summed_cross_entropy
+from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
 from accutrain.core.precision import Precision, make_precision
 from accutrain.dist import is_sharded
 
 FP32 = make_precision("32", torch.device("cpu"))
+
+
+@runtime_checkable
+class Rereadable(Protocol):
+    """This rank's micro-batches of one window, iterated once as they arrive and read again from the start by
+    `again()` (the same samples, views and mixes: a window is a function of the seed, its epoch and its index), so
+    that a two-pass loss never keeps a window's inputs."""
+
+    def __iter__(self) -> Iterator[Batch | Sequence[torch.Tensor]]: ...
+
+    def again(self) -> Iterable[Batch | Sequence[torch.Tensor]]: ...
+
+
+class Held(list):
+    """Micro-batches held in memory (a test's, accutrain-check's): read again, they are the same objects."""
+
+    def again(self) -> Held:
+        return self
+
+
+def rereadable(micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> Rereadable:
+    """`micro_batches` if it can read its window again, else held in memory."""
+    return micro_batches if isinstance(micro_batches, Rereadable) else Held(micro_batches)
+
+
+def micro_steps(micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> Iterator[tuple[Batch, bool]]:
+    """This rank's micro-batches of a window as they run, with whether each is the one that synchronises (the last:
+    its backward all-reduces the window's gradients). A stand-in (this rank's share of a short window is empty) is
+    skipped unless it is the last, which must run — forwarded, it backpropagates exact zeros — so that the
+    all-reduce happens on every rank. Every accumulation, one pass or two, walks a window through this."""
+    batches = iter(micro_batches)
+    batch = next(batches, None)
+    while batch is not None:
+        following = next(batches, None)  # looked up first: the last micro-batch is the one that synchronises
+        batch = as_batch(batch)
+        if not (batch.stand_in and following is not None):
+            yield batch, following is None
+        batch = following
 
 
 def accumulate(
@@ -43,28 +81,20 @@ def accumulate(
     """Forward and backward each of this rank's micro-batches of one window; .grad then holds ∇(mean loss over W).
 
     `terms` is |W|, the window's loss terms on all ranks (samples, or elements), known before the first backward.
-    Micro-batches are taken one at a time and backward runs on each, so only one micro-batch's activations are
-    alive at a time. Gradients are synchronised across ranks on the last micro-batch only. A stand-in batch (this
-    rank's share of a short window is empty) is skipped under no_sync; on the synchronising micro-batch it is
-    forwarded and backpropagates exact zeros, so the all-reduce happens. Returns this rank's summed loss over the
-    window (stand-ins left out), a float64 scalar still on the device: the loop reads it with its one
-    synchronisation. (Not a tensor per micro-batch: each loss kept would keep, on the CPU, the memory its
-    reduction was computed in — about 0.8 MB per micro-batch of 8 × 1,024 tokens — so host memory would grow with
-    the window.) `observe(n)`, if given, is called after each backward with its micro-batch's samples (0 for a
-    stand-in): the noise scale's end of one micro-batch's gradient.
+    `loss(output, target)` sums a micro-batch's terms. Micro-batches are taken one at a time and backward runs on
+    each, so only one micro-batch's activations are alive at a time. Gradients are synchronised across ranks on the
+    last micro-batch only (micro_steps). Returns this rank's summed loss over the window (stand-ins left out), a
+    float64 scalar still on the device: the loop reads it with its one synchronisation. (Not a tensor per
+    micro-batch: each loss kept would keep, on the CPU, the memory its reduction was computed in — about 0.8 MB per
+    micro-batch of 8 × 1,024 tokens — so host memory would grow with the window.) `observe(n)`, if given, is called
+    after each backward with its micro-batch's samples (0 for a stand-in): the noise scale's end of one micro-batch's
+    gradient.
     """
     precision = precision or FP32
     scale = world / terms  # DDP averages the ranks' gradients: × world undoes that mean
     total = torch.zeros((), dtype=torch.float64, device=device)  # Σ loss over this rank's micro-batches
-    batches = iter(micro_batches)
-    batch = next(batches, None)
-    while batch is not None:
-        following = next(batches, None)  # looked up first: the last micro-batch is the one that synchronises
-        batch = as_batch(batch)
-        if batch.stand_in and following is not None:
-            batch = following  # nothing to synchronise here: no forward needed
-            continue
-        with no_sync() if following is not None else nullcontext(), (  # one gradient all-reduce per window
+    for batch, synchronises in micro_steps(micro_batches):
+        with nullcontext() if synchronises else no_sync(), (  # one gradient all-reduce per window
                 stand_in_guard(model, device) if batch.stand_in else nullcontext()), eager(model, len(batch)):
             if device.type != "cpu":  # the loader's batches are in CPU memory already
                 batch = batch.to(device)
@@ -73,10 +103,9 @@ def accumulate(
             loss_sum = loss(logits, batch.target)  # Σ_{i in b} loss_i
             precision.backward(loss_sum, 0.0 if batch.stand_in else scale)  # ∇ scale × Σ_{i in b} loss_i into .grad
             if observe is not None:
-                observe(0 if batch.stand_in else len(batch))
+                observe(len(batch))
         if not batch.stand_in:
             total += loss_sum.detach()
-        batch = following
     return total
 
 
@@ -111,13 +140,22 @@ def grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> torch.T
     return norm.full_tensor() if is_sharded(norm) else norm  # FSDP's: replicated, the same on every rank
 
 
+class Evaluated(Protocol):
+    """What evaluate() needs of a loss summed per batch: its sums of one batch, and an output of no sample."""
+
+    def eval_sums(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor: ...
+
+    def empty_eval(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision: Optional[Precision] = None,
-             loss: Loss = SummedLoss()) -> torch.Tensor:
-    """Sums over this rank's share of the held-out split, as the loss reduces an evaluation batch (its eval_sums:
-    for cross-entropy [summed loss, correct predictions, terms], the terms being samples or elements whose target,
-    after any shift, is not ignore_index); all-reduced and then divided once, they are exact over ranks."""
+             loss: Optional[Evaluated] = None) -> torch.Tensor:
+    """Sums over this rank's share of the held-out split, as the loss reduces an evaluation batch (its eval_sums;
+    without a loss, cross-entropy's [summed loss, correct predictions, samples]); all-reduced and then divided once,
+    they are exact over ranks."""
     precision = precision or FP32
+    eval_sums = loss.eval_sums if loss is not None else cross_entropy_sums
     was_training = model.training
     model.eval()
     sums: Optional[torch.Tensor] = None
@@ -126,14 +164,10 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device, precision
             batch = as_batch(batch).to(device)
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
-            these = loss.eval_sums(logits, batch.target).to(device)
+            these = eval_sums(logits, batch.target).to(device)
             sums = these if sums is None else sums + these
     model.train(was_training)
-    return sums if sums is not None else loss.eval_sums(*empty_batch(loss)).to(device)
-
-
-def empty_batch(loss: Loss) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, target) of no sample, for a rank whose share of the held-out split is empty: sums of zeros."""
-    if loss.task == "classification":
-        return torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64)
-    return torch.zeros(0, 1), torch.zeros(0, 1)
+    if sums is None:  # this rank's share is empty: sums of zeros
+        empty = loss.empty_eval() if loss is not None else (torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64))
+        sums = eval_sums(*empty).to(device)
+    return sums

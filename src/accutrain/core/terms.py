@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from accutrain.core.loss import SummedLoss
+from accutrain.core.loss import Loss
 from accutrain.core.windows import Window, WindowData, WindowSampler
 
 
@@ -14,7 +14,7 @@ class TermCounts:
     micro-batch it may land in (padding carries ignore_index), so the sum is what counting the loaded micro-batches
     gives, whatever the split. With random views (`augment=`), which may change a target, each epoch counts anew."""
 
-    def __init__(self, data: WindowData, sampler: WindowSampler, loss: SummedLoss) -> None:
+    def __init__(self, data: WindowData, sampler: WindowSampler, loss: Loss) -> None:
         self.data, self.sampler, self.loss = data, sampler, loss
         self.per_epoch = getattr(data.dataset, "view", None) is not None
         self.counts = torch.full((len(data),), -1, dtype=torch.int64)  # -1: not counted yet

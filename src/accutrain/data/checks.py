@@ -14,9 +14,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
-
 from accutrain.config.loss_schemas import LossConfig
+from accutrain.config.train import TrainConfig
+from accutrain.config.typed import Factory
 from accutrain.core import samples
 from accutrain.core.batches import BatchFormat, batch_format
 from accutrain.core.options import Normalize
@@ -28,10 +28,10 @@ from accutrain.errors import UserError
 FIRST_SAMPLES = 32  # of the first window (epoch 0's order), read at start; the held-out split's first as many
 
 
-def prepare(made: Any, cfg: DictConfig) -> tuple[Datasets, BatchFormat]:
+def prepare(made: Any, cfg: TrainConfig) -> tuple[Datasets, BatchFormat]:
     """What the data factory returned (`made`), as this run sees it — its views (augment=) and its batch format —
     checked: a mistake in it is one UserError naming the sample and the key."""
-    datasets = returned(made, str(cfg.data._target_))
+    datasets = returned(made, cfg.data.target)
     datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed,  # training views per (seed, epoch, sample)
                            cfg.augment.views)
     batches = batch_format(cfg.loader, datasets.collate)
@@ -72,7 +72,7 @@ def same_random_streams() -> Iterator[None]:
     np.random.set_state(state[1])
 
 
-def check_samples(datasets: Datasets, batches: BatchFormat, loss: Any, seed: int) -> None:
+def check_samples(datasets: Datasets, batches: BatchFormat, loss: Factory, seed: int) -> None:
     """Read the first window's first samples and the held-out split's first, collate them, check their targets
     (cross-entropy's class indices); scan the targets of a split held in memory in full."""
     first = epoch_order(len(datasets.train), seed, 0)[:FIRST_SAMPLES].tolist()
@@ -84,7 +84,7 @@ def check_samples(datasets: Datasets, batches: BatchFormat, loss: Any, seed: int
         raise UserError(f"training sample {first[0]} and held-out sample 0 differ in shape "
                         f"([{samples.describe_shape(samples.shapes(train[0]))}] and "
                         f"[{samples.describe_shape(samples.shapes(val[0]))}]): the model takes one shape")
-    classes = str(loss.get("_target_", "")).endswith(".cross_entropy")  # other losses check their targets at build
+    classes = loss.target.endswith(".cross_entropy")  # other losses check their targets with the model (Loss.check)
     for split, items, indices in (("training", train, first), ("held-out", val, held_out)):
         target = samples.collate(batches, items, split, indices).target
         if classes:
@@ -97,7 +97,8 @@ def check_samples(datasets: Datasets, batches: BatchFormat, loss: Any, seed: int
             check_targets(held.labels, range(len(held.labels)), split, datasets.num_classes, loss)
 
 
-def check_targets(target: torch.Tensor, indices: Sequence[int], split: str, num_classes: int, loss: Any) -> None:
+def check_targets(target: torch.Tensor, indices: Sequence[int], split: str, num_classes: int, loss: Factory
+                  ) -> None:
     """`target` (one row per sample `indices[k]`) as cross-entropy takes it: int64 (or uint8) class indices in
     [0, num_classes) — element targets may also be loss.ignore_index — or float class probabilities per sample."""
     if not isinstance(target, torch.Tensor):
@@ -112,8 +113,8 @@ def check_targets(target: torch.Tensor, indices: Sequence[int], split: str, num_
     if target.dtype not in (torch.int64, torch.uint8):
         raise UserError(f"{what}: cross-entropy takes class indices as torch.long (int64): convert them "
                         "(labels.long())")
-    ignore, default = int(loss.ignore_index), LossConfig.ignore_index
-    counts_samples = loss.normalize in (Normalize.auto, Normalize.samples, "auto", "samples")
+    ignore, default = int(loss.get("ignore_index", LossConfig.ignore_index)), LossConfig.ignore_index
+    counts_samples = loss.get("normalize", "auto") in (Normalize.auto, Normalize.samples, "auto", "samples")
     if target.dim() == 1 and counts_samples and ignore != default:
         raise UserError(f"loss.ignore_index={ignore} on one class per sample: a sample whose label it is would add "
                         "nothing to the loss yet count in the window's mean; it is for element targets (padded "

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import Dataset
 
+from accutrain.config.typed import Factory
 from accutrain.config.schemas import Crop
 from accutrain.errors import UserError
 from accutrain.seeding import keyed_seed, seeded_cpu_rng
@@ -173,21 +174,22 @@ def ruinous(augment: Any, source: ImageSource) -> Optional[str]:
     return None
 
 
-def pretrained_normalisation(model_cfg: Any, channels: int) -> Optional[tuple[tuple[float, ...], tuple[float, ...]]]:
+def pretrained_normalisation(model_cfg: Factory, channels: int
+                             ) -> Optional[tuple[tuple[float, ...], tuple[float, ...]]]:
     """(mean, std) that a torchvision model's pretrained weights were trained with, from the weights' own transforms
     (for one channel: their average); None for any other model."""
-    if not model_cfg.get("pretrained") or model_cfg.get("_target_") != "accutrain.models.torchvision_classifier":
+    if not model_cfg.get("pretrained") or model_cfg.target != "accutrain.models.torchvision_classifier":
         return None
     import torchvision
 
-    transforms = torchvision.models.get_model_weights(model_cfg.name).DEFAULT.transforms()
+    transforms = torchvision.models.get_model_weights(model_cfg["name"]).DEFAULT.transforms()
     mean, std = tuple(transforms.mean), tuple(transforms.std)
     if channels == 1:
         mean, std = (sum(mean) / len(mean),), (sum(std) / len(std),)
     return mean, std
 
 
-def apply(datasets: Any, augment: Any, model_cfg: Any, seed: int, copies: int = 1) -> Any:
+def apply(datasets: Any, augment: Any, model_cfg: Factory, seed: int, copies: int = 1) -> Any:
     """The accutrain.data.Datasets as this run sees them: the training split through the recipe's random view (drawn
     per sample from (seed, epoch, sample)), the held-out split through its fixed view; both normalised as
     pretrained weights expect. copies > 1 (augment.views): each sample is that many random views of it, in both

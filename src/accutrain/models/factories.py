@@ -159,8 +159,7 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
     if example is None:
         example = Batch(torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
-    placed = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
-    example = as_batch(example) if placed is None else as_batch(example).to(placed)  # a 4-bit model: on the GPU
+    example = as_batch(example).to(weights_device(model))  # a 4-bit model: on the GPU
     name = model_name(cfg)
     model.eval()
     check_output(model, example, num_classes, name)
@@ -217,6 +216,11 @@ def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, 
             message += (f" (a length equal to the {num_classes} classes hid it: checked again on "
                         f"{y.shape[1]} positions)")
     raise UserError(message)
+
+
+def weights_device(model: nn.Module) -> torch.device:
+    """Where the model's weights are (a 4-bit model's on the GPU as soon as it is loaded), else the CPU."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def model_name(cfg: Any) -> str:

@@ -9,7 +9,7 @@ from typing import Optional
 from torch import nn
 
 from accutrain.core.batches import Batch
-from accutrain.core.loss import SummedLoss
+from accutrain.core.loss import Loss
 
 # Names under which models keep a drop probability: nn.Dropout's p aside, Hugging Face configs and modules use these.
 STOCHASTIC = re.compile(r"dropout|pdrop|layerdrop|drop_path|drop_prob", re.I)
@@ -47,7 +47,7 @@ def dropout_warning(model: nn.Module, micro_batch: int, effective: int) -> Optio
             "take the same step")
 
 
-def unshifted_labels_warning(batch: Batch, loss: SummedLoss, share: float = 0.5) -> Optional[str]:
+def unshifted_labels_warning(batch: Batch, loss: Loss, share: float = 0.5) -> Optional[str]:
     """A warning when the loss's per-element targets equal an input tensor at more than `share` of the counted
     positions of `batch`: labels = input_ids, left for a model that would shift them itself."""
     target = loss.target(batch.target)

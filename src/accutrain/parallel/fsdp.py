@@ -70,9 +70,9 @@ class FSDP(Strategy):
         self.own_group, self.lines = False, []
 
     # --- sharding -------------------------------------------------------------------------------------------
-    def check_model(self, model: nn.Module, cfg: Any) -> None:
+    def check_model(self, model: nn.Module, batchnorm_convert: Any) -> None:
         if self.world.size > 1 and (layers := batchnorm_layers(model, training_only=True)):
-            raise UserError(f"strategy=fsdp with batchnorm.convert={cfg.batchnorm.convert.name}: the model has "
+            raise UserError(f"strategy=fsdp with batchnorm.convert={batchnorm_convert.name}: the model has "
                             f"{len(layers)} BatchNorm layers in training mode, whose running statistics FSDP leaves "
                             "different on every rank (DDP broadcasts rank 0's); use batchnorm.convert=group "
                             "(GroupNorm) or batchnorm.convert=frozen, or strategy=ddp")

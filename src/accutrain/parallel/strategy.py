@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from accutrain import dist
@@ -34,7 +33,7 @@ class Strategy:
         self.comm: Optional[dist.CommStats] = None  # what the gradient reductions sent (several devices)
         self._no_sync: Callable[[], ContextManager] = nullcontext
 
-    def check_model(self, model: nn.Module, cfg: DictConfig) -> None:
+    def check_model(self, model: nn.Module, batchnorm_convert: Any) -> None:
         """Refuse, in one line, a model the strategy cannot train exactly."""
 
     def model_device(self, device: torch.device) -> Optional[torch.device]:

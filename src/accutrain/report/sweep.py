@@ -1,15 +1,12 @@
-"""The Hydra callback (`hydra.callbacks.sweep_summary` in configs/train.yaml) that summarises a multirun in its
-sweep directory and remembers how many jobs failed, so that the command can exit non-zero; and what a sweep stopped
-by a signal writes and says (the summary of what ran, and the command that resumes the sweep)."""
+"""A multirun's summary in its sweep directory (written at its end by accutrain.cli.sweep_summary, Hydra's callback),
+how many of its jobs failed, and what a sweep stopped by a signal writes and says (the summary of what ran, and the
+command that resumes the sweep)."""
 from __future__ import annotations
 
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Optional
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from typing import Optional
 
 
 def summarise(sweep_dir: Path) -> Optional[tuple[int, int]]:
@@ -29,21 +26,15 @@ def summarise(sweep_dir: Path) -> Optional[tuple[int, int]]:
     return sum(r.status == "failed" for r in rows), len(rows)
 
 
-class SweepSummary(Callback):
-    """on_multirun_end: print the table and write summary.md, summary.csv, summary.png into hydra.sweep.dir."""
+def failed_jobs(sweep_dir: Path) -> tuple[int, int]:
+    """(failed, jobs) of the sweep's jobs as their records (status.json) say."""
+    from accutrain.report.runs import collect
 
-    failed_jobs: ClassVar[int] = 0  # jobs of the last multirun that failed; read by accutrain.cli.main.main
-    failed_here: ClassVar[int] = 0  # jobs that failed in this process (one refused before it ran has no status)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        SweepSummary.failed_jobs = SweepSummary.failed_here = 0
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        failed, jobs = summarise(Path(str(config.hydra.sweep.dir))) or (0, 0)
-        SweepSummary.failed_jobs = max(failed, SweepSummary.failed_here)
-        if SweepSummary.failed_jobs:
-            print(f"accutrain: {SweepSummary.failed_jobs} of {max(jobs, SweepSummary.failed_jobs)} jobs failed "
-                  "(exit code 1)", file=sys.stderr)
+    try:
+        rows = collect(sweep_dir)
+    except Exception:
+        return 0, 0
+    return sum(r.status == "failed" for r in rows), len(rows)
 
 
 def resume_command(argv: list[str], sweep_dir: Path) -> str:

@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from omegaconf import DictConfig
-
-from accutrain.config.validate import validate
+from accutrain.config.train import TrainConfig
 from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.plan import window_split
 from accutrain.core.precision import float32_math
@@ -42,14 +40,7 @@ class Ranks:
     n: int  # ranks in all
 
 
-def preflight(cfg: DictConfig) -> Ranks:
-    """Every check of the config and the machine that can be made before anything is written: the values
-    (validate), then the device and the number of ranks (place). Raises UserError."""
-    validate(cfg)
-    return place(cfg)
-
-
-def place(cfg: DictConfig) -> Ranks:
+def place(cfg: TrainConfig) -> Ranks:
     """The device and the number of ranks the config asks for, checked against the machine. Raises UserError."""
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
@@ -59,10 +50,13 @@ def place(cfg: DictConfig) -> Ranks:
     if world is not None and cfg.devices not in ("auto", world.size) and not from_scheduler:
         raise UserError(f"devices={cfg.devices} but {launcher_name()} started {world.size} processes: leave "
                         f"devices=auto or set devices={world.size}")
-    if world is not None and cfg.micro_batch != "auto" and cfg.get("batch_schedule") is None:
+    if world is not None and cfg.micro_batch != "auto" and cfg.batch_schedule is None:
         window_split(cfg.micro_batch, world.size, cfg.accum, cfg.global_batch,  # this world's split, one line
-                     cfg.get("micro_tokens"))
+                     cfg.micro_tokens)
     auto_needs_budget(cfg, device.type)  # trainer.device=auto found no CUDA device: before the run directory is made
+    if cfg.model.get("quantize") is not None and device.type != "cuda":
+        raise UserError(f"model.quantize={cfg.model.get('quantize')} (QLoRA) needs a CUDA GPU and bitsandbytes; "
+                        f"this run's device is {device}: drop model.quantize to train LoRA on the unquantized weights")
     n = world.size if world is not None else count_devices(cfg.devices, device.type)
     if n > 1 and cfg.batchnorm.sync and device.type != "cuda":
         raise UserError("batchnorm.sync=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the CPU (use "
@@ -70,13 +64,14 @@ def place(cfg: DictConfig) -> Ranks:
     return Ranks(device, world, n)
 
 
-def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None, ranks: Optional[Ranks] = None
+def train(cfg: TrainConfig, run_dir: Path, log_config: Optional[dict] = None, ranks: Optional[Ranks] = None
           ) -> Optional[Outcome]:
-    """Train as configured, then run the ranks; raise Preempted if a signal stopped the run early (after its
-    checkpoint). `ranks`: what the caller's preflight found (the command line checks once), else checked here.
+    """Train the checked run (config.validate.typed_run), then run the ranks; raise Preempted if a signal stopped the
+    run early (after its checkpoint). `ranks`: what the caller's place() found (the command line checks once), else
+    placed here.
     `log_config` is the logging setup a spawned rank 0 repeats (Hydra's job logging). The caller owns run_dir: the
     command line refuses one an earlier run used (accutrain.store.rundir)."""
-    ranks = ranks or preflight(cfg)
+    ranks = ranks or place(cfg)
     if cfg.trainer.tf32 is not None and ranks.device.type == "cpu":
         log.info(f"trainer.tf32={str(cfg.trainer.tf32).lower()} changes nothing on the CPU (TF32 is a CUDA format)")
     # before anything runs on CUDA; a spawned worker sets both again (the settings are per process)
@@ -88,7 +83,7 @@ def train(cfg: DictConfig, run_dir: Path, log_config: Optional[dict] = None, ran
     return out
 
 
-def _train(cfg: DictConfig, ranks: Ranks, run_dir: Path, log_config: Optional[dict]) -> Optional[Outcome]:
+def _train(cfg: TrainConfig, ranks: Ranks, run_dir: Path, log_config: Optional[dict]) -> Optional[Outcome]:
     device, world, n = ranks.device, ranks.world, ranks.n
     if world is not None:
         if not world.main:

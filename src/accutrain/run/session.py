@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from accutrain import dist
+from accutrain.config.train import TrainConfig
+from accutrain.config.typed import to_yaml
 from accutrain.core.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import NonFinite, UserError
@@ -34,7 +35,7 @@ log = logging.getLogger("accutrain")
 RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")  # what best.pt leaves out
 
 
-def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.device) -> Outcome:
+def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.device) -> Outcome:
     """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
     checkpoints/ go into run_dir."""
     device = dist.worker_device(device, world)
@@ -47,35 +48,36 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     if world.main:
         log.info(f"run directory {run_dir} (train.log, metrics.jsonl, checkpoints/)")
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
-    c = build(cfg, world, device, cache_dir=run_dir.parent)
+    parts = build(cfg, world, device, cache_dir=run_dir.parent)
     if cfg.trainer.check and world.main:
-        result = check.run_check(c)
+        result = check.run_check(parts)
         for line in result.lines():
             (log.info if result.faithful else log.warning)(f"check: {line}")
     if cfg.trainer.check:
         dist.wait_for_main(world)  # the other ranks wait for rank 0's check, however long it takes
-    resume_from, progress = resume_point(c, run_dir)
-    save = Checkpoints(c, run_dir / "checkpoints", trackers)
-    if progress.step >= c.plan.total_steps:  # before anything is written: the run's record stays as it was
+    resume_from, progress = resume_point(parts, run_dir)
+    save = Checkpoints(parts, run_dir / "checkpoints", trackers)
+    if progress.step >= parts.plan.total_steps:  # before anything is written: the run's record stays as it was
         log.info(f"the checkpoint is at optimizer step {progress.step}, the end of this run's plan "
-                 f"({c.plan.total_steps} steps): nothing left to train")
+                 f"({parts.plan.total_steps} steps): nothing left to train")
         return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
     if world.main:  # the run takes its directory over (store.status.taken_over), then writes into it
-        add_to_status(run_dir, plan=c.plan.record())
+        add_to_status(run_dir, plan=parts.plan.record())
         start_branch(run_dir, progress.step, resumed=resume_from is not None)
-        write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-        warn_if_disk_is_short(c, save.rotation)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg, parts.supplied))
+        warn_if_disk_is_short(parts, save.rotation)
     if world.main:
-        trackers.start(cfg, c.plan, progress.step, resumed=cfg.resume is not None, monitor=c.monitor.metric)
+        trackers.start(cfg, parts.supplied, parts.plan, progress.step, resumed=cfg.resume is not None,
+                       monitor=parts.monitor.metric)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)
-    metrics.write(dict(plan=c.plan.record()), "plan")  # the plan as data, for reports (a resumed session adds its own)
+    metrics.write(dict(plan=parts.plan.record()), "plan")  # the plan as data, for reports (a resumed session: its own)
     try:
         with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
-            out = fit(c, metrics, progress, save, stop)
+            out = fit(parts, metrics, progress, save, stop)
         if not out.stopped_by:  # the run's end: export the last weights, then test with them and the best ones
             if world.main and cfg.trainer.export:
-                export(c, run_dir, out.progress.step)
-            out.test = run_test(c, metrics, out.progress, save.best_path())
+                export(parts, run_dir, out.progress.step)
+            out.test = run_test(parts, metrics, out.progress, save.best_path())
     except NonFinite as e:
         trackers.finish("failed", progress)
         raise NonFinite(f"{e}; {save.last_good()}") from None
@@ -85,31 +87,31 @@ def train_rank(world: World, cfg: DictConfig, run_dir: Path, device: torch.devic
     finally:
         metrics.close()
     if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
-        out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=c.device), world).item())
+        out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=parts.device), world).item())
     if world.main:
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
-                        out.peak_mb, noise_summary(c))
-        say_how_it_ended(c, out, run_dir)
-    c.strategy.close()
+                        out.peak_mb, noise_summary(parts))
+        say_how_it_ended(parts, out, run_dir)
+    parts.strategy.close()
     if world.main:
         save.raise_if_the_last_failed()
     return out
 
 
-def export(c: Components, run_dir: Path, step: int) -> None:
+def export(parts: Components, run_dir: Path, step: int) -> None:
     """trainer.export: the trained model's weights alone (weights: run_dir/model.safetensors), or the model saved with
     save_pretrained (hf, merged) into run_dir/hf."""
-    if c.trainer.export == "weights":
+    if parts.trainer.export == "weights":
         path = run_dir / WEIGHTS_FILE
-        size = save_weights(c.model.state_dict(), path, dict(step=step, model=c.cfg.model._target_))
+        size = save_weights(parts.model.state_dict(), path, dict(step=step, model=parts.run.model.target))
         log.info(f"exported the weights ({size / 2**20:.3g} MiB) to {path} (safetensors.torch.load_file, then "
                  "load_state_dict)")
         return
     from accutrain.models.hf import export as save_pretrained
 
-    merged = c.trainer.export == "merged"
+    merged = parts.trainer.export == "merged"
     log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
-             f"{save_pretrained(c.model, c.tokenizer, run_dir / 'hf', merged=merged)}")
+             f"{save_pretrained(parts.model, parts.tokenizer, run_dir / 'hf', merged=merged)}")
 
 
 def agree_on_run_dir(run_dir: Path, world: World) -> Path:
@@ -128,9 +130,9 @@ class Checkpoints:
     (at the end, or on a signal) fails, raise_if_the_last_failed ends the run with one line. best.pt holds what
     evaluation needs, without the optimizer's state (for_evaluation)."""
 
-    def __init__(self, c: Components, directory: Path, trackers: Trackers) -> None:
-        self.c, self.trackers = c, trackers
-        self.rotation = checkpoint.Rotation(directory, c.trainer.keep_checkpoints)
+    def __init__(self, parts: Components, directory: Path, trackers: Trackers) -> None:
+        self.parts, self.trackers = parts, trackers
+        self.rotation = checkpoint.Rotation(directory, parts.trainer.keep_checkpoints)
         self.failure: Optional[str] = None  # why the latest checkpoint could not be written
         self.failed: list[int] = []  # the optimizer steps whose checkpoint could not be written, this session
 
@@ -144,23 +146,23 @@ class Checkpoints:
         """The next step-*.pt of the rotation, or (best) best.pt, the state at the best evaluation so far; with
         strategy.checkpoint=sharded a directory (step-*/, best/) each rank writes its shards into. Refused when the
         weights are not finite."""
-        c = self.c
+        parts = self.parts
         self.trackers.flush()  # a resume from this checkpoint finds in the trackers every step up to it
-        state, shards = checkpoint_state(c, p)
-        if not finite_weights(c, state, shards):
+        state, shards = checkpoint_state(parts, p)
+        if not finite_weights(parts, state, shards):
             newest = self.rotation.steps()
             raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
                             f"(the last good one is {newest[0] if newest else 'none'})")
         path = None
         if shards is not None:  # every rank writes; a failure here is PyTorch's, raised on every rank
             path = write_sharded(self.rotation.directory / ("best" if best else f"step-{p.step:08d}"), shards,
-                                 state, c.world)
-            if c.world.main and not best:
+                                 state, parts.world)
+            if parts.world.main and not best:
                 self.rotation.commit(path)
-        elif c.world.main:
+        elif parts.world.main:
             try:
                 epoch = p.last_epoch + 1  # the step's epoch, as the log and metrics.jsonl count it
-                path = (self.rotation.save_best(for_evaluation(state), f"epoch{epoch}-step{p.step}-{c.monitor.metric}"
+                path = (self.rotation.save_best(for_evaluation(state), f"epoch{epoch}-step{p.step}-{parts.monitor.metric}"
                                                 f"{p.best:.4g}") if best else self.rotation.save(state, p.step, epoch))
                 if not best:
                     self.failure = None
@@ -169,7 +171,7 @@ class Checkpoints:
                 failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} "
                            f"into {self.rotation.directory} ({e.strerror or e}); the newest on disk is "
                            f"{newest[0].name if newest else 'none'}")
-                if best or p.step < c.plan.total_steps:  # the run's last one: raise_if_the_last_failed says it
+                if best or p.step < parts.plan.total_steps:  # the run's last one: raise_if_the_last_failed says it
                     log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
                               "tries again")
                 if not best:  # a best.pt that could not be written leaves the run's last steps saved
@@ -177,12 +179,12 @@ class Checkpoints:
                     self.failed.append(p.step)
                     add_to_status(self.rotation.directory.parent, checkpoints_failed=dict(
                         count=len(self.failed), steps=self.failed[:10], last_step=p.step, error=e.strerror or str(e)))
-        dist.wait_for_main(c.world)  # no rank leaves before the checkpoint is on disk
+        dist.wait_for_main(parts.world)  # no rank leaves before the checkpoint is on disk
         return path
 
     def best_path(self) -> Path:
         """Where the best evaluation's checkpoint is (best.pt; best/ when sharded)."""
-        return self.rotation.directory / ("best" if self.c.strategy.sharded_checkpoints else "best.pt")
+        return self.rotation.directory / ("best" if self.parts.strategy.sharded_checkpoints else "best.pt")
 
     def raise_if_the_last_failed(self) -> None:
         """At the end: the checkpoints that could not be written, said; if the last one failed, UserError."""
@@ -204,10 +206,10 @@ def for_evaluation(state: dict) -> dict:
     return {key: value for key, value in state.items() if key not in RESUME_ONLY}
 
 
-def warn_if_disk_is_short(c: Components, rotation: checkpoint.Rotation) -> None:
+def warn_if_disk_is_short(parts: Components, rotation: checkpoint.Rotation) -> None:
     """A warning when the disk holding checkpoints/ has less room than the checkpoints kept at once will take (the
     weights and up to twice as much optimizer state each, keep_checkpoints + the one being written)."""
-    weights = sum(t.numel() * t.element_size() for t in c.model.state_dict().values())
+    weights = sum(t.numel() * t.element_size() for t in parts.model.state_dict().values())
     needed = 3 * weights * (rotation.keep + 1)
     try:
         free = shutil.disk_usage(rotation.directory.parent).free
@@ -219,23 +221,23 @@ def warn_if_disk_is_short(c: Components, rotation: checkpoint.Rotation) -> None:
                     "(weights and optimizer state): a checkpoint that cannot be written is reported and retried")
 
 
-def finite_weights(c: Components, state: dict, shards: Optional[dict]) -> bool:
+def finite_weights(parts: Components, state: dict, shards: Optional[dict]) -> bool:
     """Whether the weights about to be saved are finite: rank 0's whole ones (True elsewhere), or every rank's shards
     (then every rank gets the answer)."""
     if shards is None:
-        return not c.world.main or all(torch.isfinite(t).all() for t in state["model"].values()
+        return not parts.world.main or all(torch.isfinite(t).all() for t in state["model"].values()
                                        if t.is_floating_point())
     local = all(torch.isfinite(t.to_local() if dist.is_sharded(t) else t).all()
                 for t in shards["model"].values() if t.is_floating_point())
-    return bool(dist.all_reduce_min(torch.tensor(float(local)), c.world).item())
+    return bool(dist.all_reduce_min(torch.tensor(float(local)), parts.world).item())
 
 
-def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
-    p, monitor = out.progress, c.monitor
+def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path) -> None:
+    p, monitor = out.progress, parts.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
-    noise = noise_summary(c)
+    noise = noise_summary(parts)
     log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens,
-                          c.world.size)
+                          parts.world.size)
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else "")
              + (f", {headline(out.test, monitor.metric)}" if out.test is not None else "")
              + (f", noise scale B_simple {noise['b_simple']:.4g} at effective batch {noise['effective']:.0f}"
@@ -244,26 +246,26 @@ def say_how_it_ended(c: Components, out: Outcome, run_dir: Path) -> None:
         add_to_status(run_dir, test={k: v for k, v in out.test.items() if k != "kind"})
     if out.peak_mb:
         add_to_status(run_dir, peak_mem_mb=round(out.peak_mb, 1), peak_mem_of=(
-            f"the most of {c.world.size} ranks" if c.world.size > 1 else "the one rank"))
+            f"the most of {parts.world.size} ranks" if parts.world.size > 1 else "the one rank"))
     if p.best is not None:
         add_to_status(run_dir, best=dict(metric=monitor.metric, mode=monitor.mode, value=p.best, step=p.best_step,
                                          checkpoint=str(run_dir / "checkpoints" / (
-                                             "best" if c.strategy.sharded_checkpoints else "best.pt"))))
+                                             "best" if parts.strategy.sharded_checkpoints else "best.pt"))))
     if out.early_stop:
-        log.info(f"early stopping after optimizer step {p.step} of {c.plan.total_steps}: {monitor.metric} has not "
+        log.info(f"early stopping after optimizer step {p.step} of {parts.plan.total_steps}: {monitor.metric} has not "
                  f"improved by more than {monitor.min_delta:g} for {monitor.patience} evaluations ({best}); "
                  f"checkpoint {out.checkpoint}")
     if out.stopped_by:
-        log.info(f"stopped by {out.stopped_by} after optimizer step {p.step} of {c.plan.total_steps}; "
+        log.info(f"stopped by {out.stopped_by} after optimizer step {p.step} of {parts.plan.total_steps}; "
                  f"checkpoint {out.checkpoint}")
     else:
         log.info(f"outputs in {run_dir}")
 
 
-def noise_summary(c: Components) -> dict[str, float]:
+def noise_summary(parts: Components) -> dict[str, float]:
     """trainer.noise_scale's last smoothed B_simple beside the effective batch of this session's latest window ({}
     when it is off or has no estimate yet)."""
-    b_simple = c.noise.b_simple() if c.noise is not None else None
-    if b_simple is None or c.noise.effective is None:
+    b_simple = parts.noise.b_simple() if parts.noise is not None else None
+    if b_simple is None or parts.noise.effective is None:
         return {}
-    return dict(b_simple=b_simple, effective=float(c.noise.effective))
+    return dict(b_simple=b_simple, effective=float(parts.noise.effective))

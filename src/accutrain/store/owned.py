@@ -6,9 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
-
-from omegaconf import DictConfig
+from typing import Any, Iterator, Mapping, Optional
 
 from accutrain.errors import UserError
 from accutrain.store.rundir import CHECKPOINTS, LOCK_FILE, RUN_FILES
@@ -64,12 +62,13 @@ def refuse_foreign(directory: Path, key: str) -> None:
 
 
 def path_values(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
-    """(key, value) for each non-empty string under `node` whose key names a file or directory (PATH_KEY)."""
-    if not isinstance(node, (DictConfig, dict)):
+    """(key, value) for each non-empty string under `node` (a mapping) whose key names a file or directory
+    (PATH_KEY)."""
+    if not isinstance(node, Mapping):
         return
     for name, value in node.items():
         key = f"{prefix}.{name}"
-        if isinstance(value, (DictConfig, dict)):
+        if isinstance(value, Mapping):
             yield from path_values(value, key)
         elif isinstance(value, str) and value.strip() and PATH_KEY.search(str(name)):
             yield key, value
@@ -84,12 +83,12 @@ def saved_paths(run_dir: Path, name: str) -> set[Path]:
     return {Path(v).resolve() for v in saved.values() if isinstance(v, str) and os.sep in v}
 
 
-def check_tracker_paths(run_dir: Path, cfg: DictConfig) -> None:
+def check_tracker_paths(run_dir: Path, loggers: Mapping[str, Mapping[str, Any]], resume: Optional[str]) -> None:
     """Refuse (one line, naming the key) a logger.<name> file or directory that is one of accutrain's own names in the
     run directory, or that is a file outside it which exists already (it would be replaced) — unless this is a
     resume of the run that wrote it there."""
     root = run_dir.resolve()
-    for name, node in (cfg.get("logger") or {}).items():
+    for name, node in loggers.items():
         for key, value in path_values(node, f"logger.{name}"):
             target = (run_dir / os.path.expanduser(value)).resolve()
             if target.is_relative_to(root):
@@ -97,6 +96,6 @@ def check_tracker_paths(run_dir: Path, cfg: DictConfig) -> None:
                 if parts and parts[0] in OWNED:
                     raise UserError(f"{key}={value}: {parts[0]} is accutrain's own in the run directory "
                                     f"({', '.join(OWNED)}): choose another name")
-            elif target.is_file() and not (cfg.get("resume") is not None and target in saved_paths(run_dir, name)):
+            elif target.is_file() and not (resume is not None and target in saved_paths(run_dir, name)):
                 raise UserError(f"{key}={value}: {target} exists already, outside the run directory, and would be "
                                 "replaced: choose another name, or move that file away")

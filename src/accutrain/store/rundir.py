@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from omegaconf import DictConfig
 
 from accutrain.errors import UserError
 from accutrain.store.files import read_jsonl
@@ -51,10 +50,10 @@ def earlier_run(run_dir: Path) -> Optional[str]:
     return ", ".join(parts)
 
 
-def check_reuse(run_dir: Path, cfg: DictConfig, key: str = "hydra.run.dir") -> bool:
-    """Refuse (UserError) a run directory that holds an earlier run unless the config continues it (resume=auto, or
-    resume=<checkpoint>) or replaces it (trainer.overwrite=true), or while that run is still running on this host.
-    True when an earlier run is there."""
+def check_reuse(run_dir: Path, resume: Optional[str], overwrite: bool, key: str = "hydra.run.dir") -> bool:
+    """Refuse (UserError) a run directory that holds an earlier run unless the config continues it (`resume`: auto, or
+    a checkpoint) or replaces it (trainer.overwrite=true), or while that run is still running on this host. True when
+    an earlier run is there."""
     found = earlier_run(run_dir)
     if found is None:
         return False
@@ -62,7 +61,7 @@ def check_reuse(run_dir: Path, cfg: DictConfig, key: str = "hydra.run.dir") -> b
     if record is not None and record["state"] == "running" and live_here(record):
         raise UserError(f"{run_dir} ({key}) is in use: its run is still running (pid {record['pid']} on this "
                         "host); wait for it to end or stop it, or choose another directory")
-    if cfg.resume is None and not cfg.trainer.overwrite:
+    if resume is None and not overwrite:
         raise UserError(f"{run_dir} ({key}) holds an earlier run ({found}): add resume=auto to continue it, "
                         f"trainer.overwrite=true to delete it and start afresh, or choose a new {key}")
     return True
@@ -153,10 +152,29 @@ def held(run_dir: Path, key: str = "hydra.run.dir") -> Iterator[None]:
         os.close(fd)  # the lock goes with the descriptor
 
 
-def prepare(run_dir: Path, cfg: DictConfig, log_file: Optional[Path] = None) -> None:
+def prepare(run_dir: Path, resume: Optional[str], overwrite: bool, log_file: Optional[Path] = None) -> None:
     """Before a run writes anything into run_dir: refuse an earlier run's directory (unless continued or replaced),
     check that it can be written, and with trainer.overwrite=true delete what the earlier run wrote."""
-    if check_reuse(run_dir, cfg) and cfg.trainer.overwrite:
+    if check_reuse(run_dir, resume, overwrite) and overwrite:
         removed = clear(run_dir)
         log.warning(f"trainer.overwrite=true: deleted the earlier run's {', '.join(removed) or 'files'} in {run_dir}")
     check_writable(run_dir, log_file)
+
+
+def remove_new(run_dir: Path, hydra_subdir: Optional[str], log_name: Optional[str]) -> None:
+    """A run directory this command created, removed when the run is refused before it takes the directory over:
+    the files accutrain and Hydra write as a run starts (Hydra's record, the log, status.json, the lock), then the
+    folders left empty (checkpoints/, Hydra's, the directory itself). Anything else is left where it is."""
+    names = [STATUS_FILE, LOCK_FILE] + ([log_name] if log_name else [])
+    if hydra_subdir is not None:
+        names += [f"{hydra_subdir}/{name}" for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
+    for name in names:
+        try:
+            (run_dir / name).unlink(missing_ok=True)
+        except OSError:
+            pass
+    for folder in [run_dir / CHECKPOINTS, *([run_dir / hydra_subdir] if hydra_subdir else []), run_dir]:
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config.targets import instantiate, load_target, plain
+from accutrain.config.train import TrainConfig
+from accutrain.config.typed import Supplied, with_supplied
 from accutrain.errors import UserError
 from accutrain.report.runs import read_overrides
 from accutrain.store.files import write_atomic
@@ -40,35 +41,32 @@ class Trackers:
         self.run_dir = run_dir
 
     @classmethod
-    def build(cls, cfg: DictConfig, run_dir: Path) -> "Trackers":
+    def build(cls, cfg: TrainConfig, run_dir: Path) -> "Trackers":
         """Build every `logger.<name>` from its `_target_` and other keys; a tracker whose library is missing, or an
         option it does not take, or a file or directory it would write that is accutrain's own or an existing file
         outside the run directory (store.owned), is one line."""
-        check_tracker_paths(run_dir, cfg)
+        check_tracker_paths(run_dir, {name: node.arguments for name, node in cfg.logger.items()}, cfg.resume)
         built = {}
-        for name, node in cfg.get("logger", {}).items():
-            if not isinstance(node, DictConfig) or "_target_" not in node:
-                raise UserError(f"logger.{name} is not a tracker: expected logger.{name}._target_=module.Class "
-                                f"(or logger={name} for a built-in one)")
-            make = load_target(f"logger.{name}._target_", node._target_)
+        for name, node in cfg.logger.items():
+            make = load_target(f"logger.{name}._target_", node.target)
             kwargs = {k: v for k, v in plain(node).items() if k != "_target_"}
             try:
                 inspect.signature(make).bind(**kwargs)
             except TypeError as e:
-                raise UserError(f"logger.{name} ({node._target_}): {e}") from None
+                raise UserError(f"logger.{name} ({node.target}): {e}") from None
             except ValueError:  # no signature to check (a builtin)
                 pass
             built[name] = instantiate(f"logger.{name}", node)
         return cls(built, run_dir)
 
-    def start(self, cfg: DictConfig, plan: "BatchPlan", step: int, resumed: bool, monitor: Optional[str] = None
-              ) -> None:
+    def start(self, cfg: TrainConfig, supplied: Supplied, plan: "BatchPlan", step: int, resumed: bool,
+              monitor: Optional[str] = None) -> None:
         """Start every tracker on this run (continue their runs when resuming), then keep their run ids."""
         if not self.active:
             return
         assert self.run_dir is not None
         self.monitor = monitor or cfg.trainer.monitor  # trainer.monitor=auto: the loss's metric
-        config = {**OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "plan": plan.record()}
+        config = {**with_supplied(cfg, supplied), "plan": plan.record()}
         group, job = sweep_of(self.run_dir)
         saved = read_saved(self.run_dir) if resumed else {}  # kept for a tracker that does not start this time
         name = " ".join([self.run_dir.name, *read_overrides(self.run_dir)])[:128]

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from accutrain import dist
+from accutrain.config.train import TrainConfig
 from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.batches import Batch, PadCollate, batch_format
 from accutrain.core.grad_buffers import BufferSpec
-from accutrain.core.loss import SummedLoss
+from accutrain.core.loss import Loss
 from accutrain.core.memory import free_memory, is_oom, peak_mb, reset_peak
 from accutrain.core.precision import Precision
 from accutrain.data.datasets import Datasets
@@ -30,8 +30,8 @@ from accutrain.train.console import wait_bar
 log = logging.getLogger("accutrain")
 
 
-def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
-                     datasets: Datasets, device: torch.device, world: World, loss: SummedLoss,
+def auto_micro_batch(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                     datasets: Datasets, device: torch.device, world: World, loss: Loss,
                      cache_dir: Optional[Path], buffers: Optional[BufferSpec] = None) -> int:
     """The largest divisor of global_batch / devices whose real training step fits, found by trial steps (cached
     per model, data shape, precision, device and budget in `cache_dir`). Rank 0 alone reads the cache and every
@@ -39,15 +39,15 @@ def auto_micro_batch(cfg: DictConfig, model: nn.Module, optimizer: torch.optim.O
     search's all-reduce. `buffers`: the run's gradient buffers, which the trial steps hold too."""
     budget = cfg.trainer.memory_budget_mb
     auto_needs_budget(cfg, device.type)
-    schedule = cfg.get("batch_schedule")
+    schedule = cfg.batch_schedule
     total = math.gcd(*schedule.batch) if schedule is not None else cfg.global_batch  # what every window is made of
     if total % world.size:
         raise UserError(f"{'every batch_schedule.batch' if schedule is not None else 'global_batch'}={total} is not "
                         f"a multiple of devices {world.size}")
     window = total // world.size
-    about = dict(model=OmegaConf.to_container(cfg.model, resolve=True), shape=datasets.sample_shape,
+    about = dict(model=cfg.model.node(), shape=datasets.sample_shape,
                  precision=precision.name, device=torch.cuda.get_device_name(device) if device.type == "cuda"
-                 else "cpu", budget=budget, window=window, optim=cfg.optim._target_,
+                 else "cpu", budget=budget, window=window, optim=cfg.optim.target,
                  checkpointing=cfg.trainer.activation_checkpointing)
     key, cache = cache_key(**about), (cache_dir / "micro_batch_auto.json" if cache_dir else None)
     found = dist.broadcast_from_main(read_cache(cache, key) if cache and world.main else None, world)
@@ -139,7 +139,7 @@ def write_cache(path: Path, key: str, micro_batch: int, description: str) -> Non
 
 
 def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Batch],
-          device: torch.device, budget_mb: Optional[float], loss: Callable, buffers: Optional[BufferSpec] = None
+          device: torch.device, budget_mb: Optional[float], loss: Loss, buffers: Optional[BufferSpec] = None
           ) -> Callable[[int], tuple[bool, float]]:
     """fits(size): one real forward, backward and optimizer step on `size` samples, with the run's gradient buffers
     if it has any, and the optimizer's state (momentum, Adam moments) allocated by the step; (fits, peak MiB).
@@ -153,10 +153,7 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, ba
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 reset_peak(device)
                 held = buffers.build(model) if buffers else None
-                batch = batch.to(device)
-                with precision.autocast():
-                    logits = batch.forward(model, precision.inputs)
-                precision.backward(loss(logits, batch.target))
+                loss.accumulate(model, [batch], max(1, loss.terms([batch])), device, precision=precision)
                 if held:
                     held.release()
                 optimizer.step()

@@ -16,18 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from accutrain.config.validate import validate
+from accutrain.config.train import DDPStrategy, TrainConfig
+from accutrain.config.typed import seal
 from accutrain.core import memory
 from accutrain.core.batches import Batch, as_batch
-from accutrain.core.contrastive import ContrastiveLoss
-from accutrain.core.gradcache import accumulate_window_loss, one_pass
-from accutrain.core.loss import Loss, SummedLoss
+from accutrain.core.loss import Loss
 from accutrain.core.plan import window_split
 from accutrain.core.precision import full_float32, tolerance
-from accutrain.core.step import accumulate
 from accutrain.core.windows import MicroBatch, WindowSampler
 from accutrain.dist import World, count_devices, resolve_device
 from accutrain.models.norms import REMEDIES, batchnorm_layers, local_batchnorm
@@ -73,60 +70,58 @@ class Check:
         return out
 
 
-def components_for_check(cfg: DictConfig) -> Components:
-    """The run accutrain-check inspects: one process, every device's micro-batches of a window taken in turn."""
-    validate(cfg)
-    cfg = cfg.copy()
+def components_for_check(cfg: TrainConfig) -> Components:
+    """The run accutrain-check inspects: one process, every device's micro-batches of a window taken in turn (the
+    world is World(): `devices` only tells the check whom SyncBatchNorm would span), the whole model (FSDP's
+    accumulation has the same arithmetic)."""
     device = resolve_device(cfg.trainer.device)
     devices = count_devices(cfg.devices, device.type)
+    changes: dict[str, Any] = dict(devices=devices, strategy=DDPStrategy())
     if cfg.micro_batch != "auto":
-        cfg.micro_batch, accum = window_split(cfg.micro_batch, devices, cfg.accum, cfg.global_batch,
-                                              cfg.get("micro_tokens"))
-        cfg.accum, cfg.global_batch = accum * devices, None
-    cfg.devices = devices  # the world is World(): devices only tells the check whom SyncBatchNorm would span
-    cfg.strategy = {"name": "ddp"}  # the accumulation's arithmetic, on the whole model: FSDP's is the same
-    return build(cfg, World(), device)
+        micro_batch, accum = window_split(cfg.micro_batch, devices, cfg.accum, cfg.global_batch, cfg.micro_tokens)
+        changes.update(micro_batch=micro_batch, accum=accum * devices, global_batch=None)
+    return build(seal(dataclasses.replace(cfg, **changes)), World(), device)
 
 
-def synced_devices(c: Components) -> int:
+def synced_devices(parts: Components) -> int:
     """How many devices' micro-batches one BatchNorm statistic spans: all of them with batchnorm.sync."""
-    if not c.cfg.batchnorm.sync:
+    if not parts.run.batchnorm.sync:
         return 1
-    return c.world.size if c.world.size > 1 else c.cfg.devices if isinstance(c.cfg.devices, int) else 1
+    if parts.world.size > 1:
+        return parts.world.size
+    return parts.run.devices if isinstance(parts.run.devices, int) else 1
 
 
-def window_batches(c: Components, devices: int = 1) -> tuple[list[Batch], Batch]:
+def window_batches(parts: Components, devices: int = 1) -> tuple[list[Batch], Batch]:
     """The run's first window (epoch 0) as the micro-steps that run it — each every device's micro-batch of that
     step when `devices` > 1 (SyncBatchNorm normalises over them together) — and as one batch (padded to its
     longest sample, for data padded per micro-batch)."""
-    sampler = WindowSampler(c.plan, c.cfg.seed)  # rank 0 of 1: every device's micro-batches, in turn
+    sampler = WindowSampler(parts.plan, parts.run.seed)  # rank 0 of 1: every device's micro-batches, in turn
     sampler.set_epoch(0)
     micro_batches = next(sampler.windows())
 
-    def fetch(parts: list[MicroBatch]) -> Batch:
-        return c.loader.dataset.__getitems__(MicroBatch.join(parts))[1]
+    def fetch(shares: list[MicroBatch]) -> Batch:
+        return parts.loader.dataset.__getitems__(MicroBatch.join(shares))[1]
 
     return ([fetch(micro_batches[k : k + devices]) for k in range(0, len(micro_batches), devices)],
             fetch(micro_batches))
 
 
-def _gradient(c: Components, model: nn.Module, micro: list, terms: int, device: torch.device, precision: Any,
-              loss: Loss) -> dict[str, torch.Tensor]:
-    """The window's gradient, accumulated over `micro` (a window-level loss: by its two passes, or, for the one
-    batch of the reference, by one differentiable pass); the model's weights, statistics, gradients and gradient
-    buffers are as before afterwards, also when it fails (an out-of-memory halfway through backward, say)."""
+def _gradient(parts: Components, model: nn.Module, micro: Optional[list[Batch]], whole: Batch, device: torch.device,
+              precision: Any, loss: Loss) -> dict[str, torch.Tensor]:
+    """The window's gradient: accumulated over the micro-batches `micro` (as the loss accumulates a window), or for
+    the reference (micro None) the loss's big batch of `whole`. The model's weights, statistics, gradients and
+    gradient buffers are as before afterwards, also when it fails (an out-of-memory halfway through backward, say)."""
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    buffers = c.buffers if model is c.model else None
+    buffers = parts.buffers if model is parts.model else None
     model.zero_grad(set_to_none=True)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(c.cfg.seed)  # both ways draw the same random numbers where they can
-            if not isinstance(loss, ContrastiveLoss):
-                accumulate(model, micro, terms, device, precision=precision, loss=loss)
-            elif len(micro) > 1:
-                accumulate_window_loss(model, micro, terms, device, loss, precision=precision)
+            torch.manual_seed(parts.run.seed)  # both ways draw the same random numbers where they can
+            if micro is None:
+                loss.reference(model, whole, device, precision)
             else:
-                one_pass(model, micro[0], terms, loss, device)
+                loss.accumulate(model, micro, loss.terms(micro), device, precision=precision)
         if buffers is not None:
             buffers.release()
         return {n: p.grad.detach().double().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -154,7 +149,7 @@ def relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return float(diff / norm) if norm > 0 else float(diff)
 
 
-def run_check(c: Components) -> Check:
+def run_check(parts: Components) -> Check:
     """Compare the accumulated and the one-batch gradient of the run's first window; leave the run untouched.
 
     One process does it all, so SyncBatchNorm layers run as plain BatchNorm (no collective: the other ranks are
@@ -162,41 +157,34 @@ def run_check(c: Components) -> Check:
     over. TF32 is off inside (cuDNN convolutions default to it on CUDA): the two ways may pick different
     algorithms, and TF32's rounding would swamp float32's tolerance. A sharded run's check builds the whole model
     again in this process."""
-    if c.strategy.lockstep:
+    if parts.strategy.lockstep:
         rng = rng_state()  # building draws the seed's initial weights again
         try:
-            return run_check(components_for_check(c.cfg))
+            return run_check(components_for_check(parts.run))
         finally:
             set_rng_state(rng)
-    with local_batchnorm(c.model), full_float32(), deterministic_algorithms(c.trainer.deterministic):
-        return _compare(c)
+    with local_batchnorm(parts.model), full_float32(), deterministic_algorithms(parts.trainer.deterministic):
+        return _compare(parts)
 
 
-def _compare(c: Components) -> Check:
-    device, loss = c.device, c.loss
-    precision = dataclasses.replace(c.precision, scaler=None)  # a loss scale would only multiply both
-    micro, whole = window_batches(c, synced_devices(c))  # micro-batch k runs at micro-step k // devices
-    accumulated = _gradient(c, c.model, micro, loss.terms(micro), device, precision, loss)
-
-    big = [whole]
-    per_element = whole.target.dim() > 1 and not whole.target.is_floating_point()  # not soft targets (MixUp)
-    # the big batch's mean: cross-entropy's over its elements when the targets are per element (a check of
-    # loss.normalize too), per sequence for loss.normalize=sequences; another loss's as it counts its terms
-    reference_terms = (dataclasses.replace(loss, elements=per_element and not loss.per_sequence)
-                       if isinstance(loss, SummedLoss) else loss).terms(big)
+def _compare(parts: Components) -> Check:
+    device, loss = parts.device, parts.loss
+    precision = dataclasses.replace(parts.precision, scaler=None)  # a loss scale would only multiply both
+    micro, whole = window_batches(parts, synced_devices(parts))  # micro-batch k runs at micro-step k // devices
+    accumulated = _gradient(parts, parts.model, micro, whole, device, precision, loss)
     reference, where = None, str(device)
     try:
-        reference = _gradient(c, c.model, big, reference_terms, device, precision, loss)
+        reference = _gradient(parts, parts.model, None, whole, device, precision, loss)
     except Exception as e:  # the whole window does not fit: compute it in float64 on the CPU (below, once the
         if not memory.is_oom(e):  # failed attempt's tensors are freed)
             raise
     if reference is None:
         memory.free_memory(device)
-        cpu = _cpu_copy(c.model, torch.float64)
+        cpu = _cpu_copy(parts.model, torch.float64)
         fp64 = dataclasses.replace(precision, device=torch.device("cpu"), autocast_dtype=None,
                                    param_dtype=torch.float64)
-        reference = _gradient(c, cpu, [whole.apply(lambda t: t.double() if t.is_floating_point() else t)],
-                              reference_terms, torch.device("cpu"), fp64, loss)
+        reference = _gradient(parts, cpu, None, whole.apply(lambda t: t.double() if t.is_floating_point() else t),
+                              torch.device("cpu"), fp64, loss)
         where = "the CPU in float64 (the window does not fit the device)"
 
     groups: dict[str, list[str]] = defaultdict(list)
@@ -206,19 +194,12 @@ def _compare(c: Components) -> Check:
     per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
                  for g, names in groups.items()}
     overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
-    micro_batches = -(-len(whole) // c.plan.micro_batch)  # every device's, of up to micro_batch samples
-    check = Check(len(whole), c.plan.micro_batch, micro_batches, precision.name, per_group, overall,
+    micro_batches = -(-len(whole) // parts.plan.micro_batch)  # every device's, of up to micro_batch samples
+    check = Check(len(whole), parts.plan.micro_batch, micro_batches, precision.name, per_group, overall,
                   tolerance(precision.name), where)
-    if isinstance(loss, ContrastiveLoss):  # the probes forward one view per input
-        micro, whole = [unpaired(b) for b in micro], unpaired(whole)
-    check.causes = causes(c.model, micro, whole, c.plan.micro_batch * synced_devices(c), check,
-                          loss.elements or getattr(loss, "per_sequence", False), per_element)
+    check.causes = causes(parts.model, [loss.probe(b) for b in micro], loss.probe(whole),  # one input per row
+                          parts.plan.micro_batch * synced_devices(parts), check) + loss.notes(whole)
     return check
-
-
-def unpaired(batch: Batch) -> Batch:
-    """A batch of pairs of views as a batch of single views (each sample's target repeated)."""
-    return Batch(batch.inputs.flatten(0, 1), batch.target.repeat_interleave(2, 0), batch.stand_in)
 
 
 def wrapper_depth(names: list[str]) -> int:
@@ -231,9 +212,8 @@ def wrapper_depth(names: list[str]) -> int:
     return depth
 
 
-def causes(model: nn.Module, micro: list[Batch], big: Batch, seen: int, check: Check, elements: bool,
-           per_element: bool) -> list[str]:
-    """What in the model and loss makes (or could make) the accumulated step differ from the big batch's; `seen`:
+def causes(model: nn.Module, micro: list[Batch], big: Batch, seen: int, check: Check) -> list[str]:
+    """What in the model makes (or could make) the accumulated step differ from the big batch's; `seen`:
     the samples one BatchNorm statistic covers (a micro-batch, or every device's with SyncBatchNorm)."""
     found = []
     norms = [name for name, _ in batchnorm_layers(model, training_only=True)]
@@ -257,10 +237,6 @@ def causes(model: nn.Module, micro: list[Batch], big: Batch, seen: int, check: C
     if others:
         found.append(f"modules whose output for a sample depends on the other samples of its batch: "
                      f"{', '.join(others[:6])}{', …' if len(others) > 6 else ''}")
-    if per_element and not elements:
-        found.append("per-element targets with loss.normalize=samples: the window's loss is its token losses "
-                     "summed per sample, not their mean over the window's tokens, so windows with more tokens "
-                     "take larger steps; use loss.normalize=elements")
     return found
 
 

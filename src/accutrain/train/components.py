@@ -5,11 +5,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accutrain.config.train import TrainerConfig
+from accutrain.config.train import TrainConfig, TrainerConfig
+from accutrain.config.typed import Supplied
 from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
@@ -25,12 +25,12 @@ from accutrain.parallel.strategy import Strategy
 
 @dataclass
 class Components:
-    """Everything the loop needs, built once from the config. Past the build the loop reads typed settings only
-    (`trainer`, `lr_scaling`); `cfg`, the composed config, is kept for what records it (a checkpoint's copy) or
-    builds again from it (accutrain-check)."""
+    """Everything the loop needs, built once from the run (built by keyword: accutrain.train.build). `run` is the
+    typed, frozen run the command line decided; `supplied` what the build supplied to its factories (config.yaml
+    records both; accutrain-check builds again from them)."""
 
-    cfg: DictConfig
-    trainer: TrainerConfig  # trainer.*, as the schema's dataclass
+    run: TrainConfig
+    supplied: Supplied  # data, model, sched: the arguments the run supplied to their factories
     lr_scaling: BatchScaling  # scaling.*: the learning rate, β2 and the EMA's decay per window's batch
     world: World
     plan: BatchPlan
@@ -51,3 +51,8 @@ class Components:
     tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)
     noise: Optional[NoiseScale] = None  # the gradient noise scale's estimator (trainer.noise_scale)
     test_loader: Optional[Any] = None  # the test split (data.test), every rank its share: evaluated at the end
+
+    @property
+    def trainer(self) -> TrainerConfig:
+        """trainer.*, the run's."""
+        return self.run.trainer

@@ -21,10 +21,8 @@ from accutrain import dist
 from accutrain.config.train import OnNonFinite
 from accutrain.core import lr_scaling, memory
 from accutrain.core.precision import found_inf_and_update
-from accutrain.core.contrastive import ContrastiveLoss
-from accutrain.core.gradcache import accumulate_window_loss, evaluate_window
 from accutrain.core.progress import Progress
-from accutrain.core.step import accumulate, cut_micro_batches, evaluate, grad_norm, pieces
+from accutrain.core.step import cut_micro_batches, grad_norm, pieces
 from accutrain.core.terms import TermCounts
 from accutrain.core.windows import Window, windows_of
 from accutrain.errors import NonFinite, UserError
@@ -162,41 +160,50 @@ def window_terms(parts: Components, window: Window, counts: Optional[TermCounts]
 
 def accumulate_window(parts: Components, progress: Progress, window: Window, batches: Iterable[Any], terms: int,
                       watch: Optional[WindowWatch] = None) -> torch.Tensor:
-    """accumulate() the window's micro-batches, each cut into progress.oom_parts; after an out-of-memory, the window
-    again from its first micro-batch, cut into twice as many: those the loader gave already are read anew from the
-    sampler (the same samples, views and mixes: a window is a function of the seed, its epoch and its index), so no
-    micro-batch is kept for a replay. Between micro-batches `watch` may abandon the window for a stop signal."""
-    batches, taken, total = iter(batches), 0, len(window.sizes)
-
-    def micro_batches() -> Iterator[Any]:
-        nonlocal taken
-        cuts = progress.oom_parts
-        if taken:  # a retry: the micro-batches the loader gave before the out-of-memory, one at a time
-            again = parts.sampler.micro_batches_of(window)[:taken]
-            yield from cut_micro_batches((parts.loader.dataset.__getitems__(m)[1] for m in again), cuts)
-        for batch in batches:
-            if taken and watch is not None:
-                watch.between(taken, total)  # every rank here at the same micro-batch: may raise Abandoned
-            taken += 1
-            if cuts == 1:
-                yield batch
-            else:
-                yield from cut_micro_batches([batch], cuts)
-
+    """The loss accumulates the window's micro-batches (loss.accumulate: one pass, or two for a loss over the whole
+    window); after an out-of-memory, the window again from its first micro-batch, cut into twice as many."""
+    reader = WindowReader(parts, progress, window, batches, watch)
     while True:
         if parts.noise is not None:  # (again after an out-of-memory) the window's micro-batch gradients from nothing
             parts.noise.begin(terms, parts.world.size)
         try:
-            if isinstance(parts.loss, ContrastiveLoss):  # a window-level loss: two passes (core/gradcache.py)
-                return accumulate_window_loss(parts.wrapped, micro_batches(), terms, parts.device, parts.loss,
-                                              world=parts.world.size, no_sync=parts.strategy.no_sync,
-                                              precision=parts.precision)
-            return accumulate(parts.wrapped, micro_batches(), terms, parts.device, world=parts.world.size,
-                              no_sync=parts.strategy.no_sync, precision=parts.precision, loss=parts.loss,
-                              observe=parts.noise.micro_batch_done if parts.noise is not None else None)
+            return parts.loss.accumulate(parts.wrapped, reader, terms, parts.device, world=parts.world.size,
+                                         no_sync=parts.strategy.no_sync, precision=parts.precision,
+                                         observe=parts.noise.micro_batch_done if parts.noise is not None else None)
         except Exception as e:
             parts.strategy.explain(e)  # a known limitation of the strategy, as one line
             cut_after_oom(parts, progress, window, e)
+
+
+class WindowReader:
+    """This rank's micro-batches of one window as the loss reads them (a step.Rereadable): the loader's, each cut
+    into progress.oom_parts. Read again — a retry after an out-of-memory, or a two-pass loss's second pass — they
+    come anew from the sampler (the same samples, views and mixes: a window is a function of the seed, its epoch and
+    its index), so no micro-batch is kept. Between the loader's micro-batches `watch` may abandon the window for a
+    stop signal."""
+
+    def __init__(self, parts: Components, progress: Progress, window: Window, batches: Iterable[Any],
+                 watch: Optional[WindowWatch]) -> None:
+        self.parts, self.progress, self.window, self.watch = parts, progress, window, watch
+        self.batches, self.taken, self.total = iter(batches), 0, len(window.sizes)
+
+    def read(self, count: Optional[int] = None) -> Iterator[Any]:
+        """This rank's first `count` micro-batches of the window (all: None), read from the sampler."""
+        again = self.parts.sampler.micro_batches_of(self.window)[:count]
+        return (self.parts.loader.dataset.__getitems__(m)[1] for m in again)
+
+    def __iter__(self) -> Iterator[Any]:
+        cuts = self.progress.oom_parts
+        if self.taken:  # a retry: the micro-batches the loader gave before the out-of-memory, one at a time
+            yield from cut_micro_batches(self.read(self.taken), cuts)
+        for batch in self.batches:
+            if self.taken and self.watch is not None:
+                self.watch.between(self.taken, self.total)  # every rank here at the same micro-batch: may raise
+            self.taken += 1
+            yield from cut_micro_batches([batch], cuts) if cuts > 1 else (batch,)
+
+    def again(self) -> Iterator[Any]:
+        return cut_micro_batches(self.read(), self.progress.oom_parts)
 
 
 def cut_after_oom(parts: Components, progress: Progress, window: Window, error: Exception) -> None:
@@ -278,9 +285,6 @@ def measure(parts: Components, suffix: str, loader: Optional[Iterable[Any]] = No
     `loader`'s): every rank's sums added, then divided once."""
     loader = wait_bar(parts.val_loader if loader is None else loader, desc=f"evaluating ({split})", unit="batch",
                       enabled=parts.trainer.progress and parts.world.main)
-    if isinstance(parts.loss, ContrastiveLoss):  # the held-out split as one set of candidates
-        sums = evaluate_window(parts.wrapped, loader, parts.device, parts.precision, parts.loss, parts.world.size)
-    else:
-        sums = evaluate(parts.wrapped, loader, parts.device, parts.precision, parts.loss)
+    sums = parts.loss.evaluate(parts.wrapped, loader, parts.device, parts.precision, parts.world.size)
     measured = parts.loss.eval_metrics(dist.all_reduce_sum(sums, parts.world).tolist())
     return {f"{split}{name.removeprefix('val')}{suffix}": value for name, value in measured.items()}

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from accutrain import dist
+from accutrain.config.train import TrainConfig
+from accutrain.config.typed import with_supplied
 from accutrain.core.progress import Progress
 from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.seeding import derived_seed
@@ -22,33 +23,33 @@ from accutrain.train.components import Components
 log = logging.getLogger("accutrain")
 
 
-def checkpoint_state(c: Components, p: Progress) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+def checkpoint_state(parts: Components, p: Progress) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
     """The whole training state, gathered on every rank (the RNG states come from all of them): (what rank 0
     writes, each rank's shards of the model, optimizer and EMA — None unless strategy.checkpoint=sharded)."""
     rng = checkpoint.rng_state()
     rngs = [rng]
-    if c.world.size > 1:
-        rngs = [None] * c.world.size
+    if parts.world.size > 1:
+        rngs = [None] * parts.world.size
         torch.distributed.all_gather_object(rngs, rng)
-    tensors, shards = c.strategy.state(c.model, c.optimizer, c.ema)  # model, optimizer, ema (or their shards)
+    tensors, shards = parts.strategy.state(parts.model, parts.optimizer, parts.ema)  # model, optimizer, ema (or their shards)
     return dict(
-        format=checkpoint.FORMAT, **tensors, scheduler=c.scheduler.state_dict(),
-        scaler=c.precision.scaler.state_dict() if c.precision.scaler else None, progress=asdict(p), rng=rngs,
-        plan=c.plan.record(), config=OmegaConf.to_container(c.cfg, resolve=True, enum_to_str=True),
-        step=p.step, epoch=p.epoch, monitor=c.monitor.metric,
-        noise_scale=c.noise.state_dict() if c.noise is not None else None,
+        format=checkpoint.FORMAT, **tensors, scheduler=parts.scheduler.state_dict(),
+        scaler=parts.precision.scaler.state_dict() if parts.precision.scaler else None, progress=asdict(p), rng=rngs,
+        plan=parts.plan.record(), config=with_supplied(parts.run, parts.supplied),
+        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric,
+        noise_scale=parts.noise.state_dict() if parts.noise is not None else None,
     ), shards
 
 
-def resume_point(c: Components, run_dir: Path) -> tuple[Optional[Path], Progress]:
+def resume_point(parts: Components, run_dir: Path) -> tuple[Optional[Path], Progress]:
     """The checkpoint this run resumes from (rank 0's find_resume, for every rank) loaded into the run, and where the
     run is; with resume=auto one found corrupt only as it loads (a sharded checkpoint's garbled shard: every rank
     raises it) is passed over for the previous one. Collective."""
     passed: set[Path] = set()  # (rank 0's: those find_resume found unreadable, and those that failed to load)
     last_failed: Optional[Path] = None
     while True:
-        found = find_resume(c.cfg, run_dir, passed) if c.world.main else None
-        path = dist.broadcast_from_main(found, c.world)
+        found = find_resume(parts.run, run_dir, passed) if parts.world.main else None
+        path = dist.broadcast_from_main(found, parts.world)
         if path is None:
             if last_failed is not None:  # the weights may hold part of what failed to load: not a start from scratch
                 raise UserError(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'} loads (the last tried: "
@@ -56,16 +57,16 @@ def resume_point(c: Components, run_dir: Path) -> tuple[Optional[Path], Progress
                                 "trainer.overwrite=true starts afresh")
             return None, Progress()
         try:
-            return path, restore(c, path)
+            return path, restore(parts, path)
         except CorruptCheckpoint as e:
-            if c.cfg.resume != "auto":
+            if parts.run.resume != "auto":
                 raise
             log.warning(f"resume=auto: {e}; falling back to the previous checkpoint")
             passed.add(path)
             last_failed = path
 
 
-def find_resume(cfg: DictConfig, run_dir: Path, passed: Optional[set[Path]] = None) -> Optional[Path]:
+def find_resume(cfg: TrainConfig, run_dir: Path, passed: Optional[set[Path]] = None) -> Optional[Path]:
     """The checkpoint `resume` names: a file, a run directory, or auto (this run directory's newest good one, but
     those `passed`; those found unreadable are added to it)."""
     if cfg.resume is None:
@@ -91,112 +92,113 @@ def find_resume(cfg: DictConfig, run_dir: Path, passed: Optional[set[Path]] = No
     return found[0]
 
 
-def restore(c: Components, path: Path) -> Progress:
+def restore(parts: Components, path: Path) -> Progress:
     """Load a checkpoint into the run; refuse one from another model or another effective batch."""
     state = checkpoint.load(path, mmap=True)  # every rank maps the file; FSDP takes each rank's shard from it
     saved = state["plan"]
-    schedule = c.plan.schedule.record() if c.plan.schedule else None
+    schedule = parts.plan.schedule.record() if parts.plan.schedule else None
     if saved.get("schedule") != schedule:
         raise UserError(f"{path} was trained with batch schedule {saved.get('schedule') or 'none'}; this run's is "
                         f"{schedule or 'none'}: resuming needs the same schedule (it decides every window)")
-    if saved["effective"] != c.plan.effective:
+    if saved["effective"] != parts.plan.effective:
         raise UserError(
             f"{path} was trained with effective batch {saved['effective']} (micro_batch {saved['micro_batch']} × "
-            f"accum {saved['accum']} × devices {saved['devices']}); this run's is {c.plan.effective}: resuming "
+            f"accum {saved['accum']} × devices {saved['devices']}); this run's is {parts.plan.effective}: resuming "
             "needs the same effective batch")
-    if saved["train_size"] != c.plan.train_size:
-        raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {c.plan.train_size}: "
+    if saved["train_size"] != parts.plan.train_size:
+        raise UserError(f"{path} was trained on {saved['train_size']} samples; this data has {parts.plan.train_size}: "
                         "resuming needs the same training set")
-    refuse_another_seed_or_optimizer(path, state.get("config") or {}, c.cfg)
-    say_another_precision(path, state.get("config") or {}, c.cfg)
-    fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in c.optimizer.param_groups]
-    fresh_base = list(getattr(c.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor
+    now = with_supplied(parts.run, parts.supplied)  # as config.yaml and the checkpoint record it
+    refuse_another_seed_or_optimizer(path, state.get("config") or {}, now)
+    say_another_precision(path, state.get("config") or {}, now)
+    fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in parts.optimizer.param_groups]
+    fresh_base = list(getattr(parts.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor
     try:  # the model, optimizer and EMA (from a sharded checkpoint's shards too)
-        c.strategy.load(c.model, c.optimizer, c.ema, state, path)
+        parts.strategy.load(parts.model, parts.optimizer, parts.ema, state, path)
     except RuntimeError as e:
         raise UserError(f"{path} was written for another model: {str(e).strip().splitlines()[-1].strip()[:200]}"
                         ) from None
     except (KeyError, ValueError, TypeError) as e:
-        raise UserError(f"{path}: its optimizer state does not fit this run's optimizer ({c.cfg.optim._target_}): "
+        raise UserError(f"{path}: its optimizer state does not fit this run's optimizer ({parts.run.optim.target}): "
                         f"{type(e).__name__}: {e}") from None
     try:
-        c.scheduler.load_state_dict(state["scheduler"])
+        parts.scheduler.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError, TypeError) as e:
-        raise UserError(f"{path}: its scheduler state does not fit this run's scheduler ({c.cfg.sched._target_}): "
+        raise UserError(f"{path}: its scheduler state does not fit this run's scheduler ({parts.run.sched.target}): "
                         f"{type(e).__name__}: {e}") from None
-    follow_this_runs_optimizer(c, path, fresh, fresh_base)
-    if c.precision.scaler and state.get("scaler"):
-        c.precision.scaler.load_state_dict(state["scaler"])
+    follow_this_runs_optimizer(parts, path, fresh, fresh_base)
+    if parts.precision.scaler and state.get("scaler"):
+        parts.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
-    if c.noise is not None and state.get("noise_scale"):  # the noise scale's moving averages go on where they were
-        c.noise.load_state_dict(state["noise_scale"])
-    if c.ema is not None and state.get("ema") is None:
+    if parts.noise is not None and state.get("noise_scale"):  # the noise scale's moving averages go on where they were
+        parts.noise.load_state_dict(state["noise_scale"])
+    if parts.ema is not None and state.get("ema") is None:
         log.info(f"{path} holds no average of the weights (trainer.ema was off): it starts at the resumed weights")
-    if state.get("monitor", "val_acc") != c.monitor.metric:  # the best so far was of another metric
-        log.info(f"the checkpoint's run monitored {state.get('monitor', 'val_acc')}, this one {c.monitor.metric}: "
+    if state.get("monitor", "val_acc") != parts.monitor.metric:  # the best so far was of another metric
+        log.info(f"the checkpoint's run monitored {state.get('monitor', 'val_acc')}, this one {parts.monitor.metric}: "
                  "its best value and early-stopping patience start anew")
         p.best, p.best_step, p.evals_since_best = None, None, 0
     split = (saved["micro_batch"], saved["accum"], saved["devices"])
-    if split != (c.plan.micro_batch, c.plan.accum, c.plan.devices):
-        log.info(f"resuming with micro_batch {c.plan.micro_batch} × accum {c.plan.accum} × devices {c.plan.devices} "
+    if split != (parts.plan.micro_batch, parts.plan.accum, parts.plan.devices):
+        log.info(f"resuming with micro_batch {parts.plan.micro_batch} × accum {parts.plan.accum} × devices {parts.plan.devices} "
                  f"(the checkpoint's run used {' × '.join(map(str, split))}): the same effective batch "
-                 f"{c.plan.effective}, so the same windows")
-    if saved["total_steps"] != c.plan.total_steps:
+                 f"{parts.plan.effective}, so the same windows")
+    if saved["total_steps"] != parts.plan.total_steps:
         log.info(f"the checkpoint's run planned {saved['total_steps']} optimizer steps, this one "
-                 f"{c.plan.total_steps}: the schedule follows this run's plan")
+                 f"{parts.plan.total_steps}: the schedule follows this run's plan")
     rngs = state.get("rng")
-    if isinstance(rngs, list) and len(rngs) == c.world.size:
-        checkpoint.set_rng_state(rngs[c.world.rank])
+    if isinstance(rngs, list) and len(rngs) == parts.world.size:
+        checkpoint.set_rng_state(rngs[parts.world.rank])
     else:
         if isinstance(rngs, list):
-            log.info(f"the checkpoint holds RNG states for {len(rngs)} rank(s), this run has {c.world.size}: "
+            log.info(f"the checkpoint holds RNG states for {len(rngs)} rank(s), this run has {parts.world.size}: "
                      "dropout and augmentation draw new random numbers (the data order is unchanged)")
         else:
             log.warning(f"{path} holds no RNG states: dropout and augmentation draw new random numbers (the data "
                         "order is unchanged)")
-        torch.manual_seed(derived_seed(c.cfg.seed, p.step * 101 + c.world.rank))
+        torch.manual_seed(derived_seed(parts.run.seed, p.step * 101 + parts.world.rank))
     log.info(f"resumed from {path} at optimizer step {p.step} (epoch {p.epoch + 1}, window {p.window})")
     return p
 
 
-def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
+def refuse_another_seed_or_optimizer(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
     """The seed decides every epoch's order of samples, so resuming with another one would change the data order
     mid-epoch; data.seed decides the data itself (generated samples, the held-out split), so another one continues on
     other data; another optimizer cannot take the checkpoint's optimizer state. Each is refused in one line."""
-    if "seed" in saved and saved["seed"] != cfg.seed:
-        raise UserError(f"{path} was trained with seed={saved['seed']}; this run has seed={cfg.seed}: the seed decides "
-                        f"the order of the samples, so resuming needs the same seed (seed={saved['seed']})")
-    data_seed = (saved.get("data") or {}).get("seed")
-    if data_seed is not None and "seed" in cfg.data and data_seed != cfg.data.seed:
-        raise UserError(f"{path} was trained with data.seed={data_seed}; this run has data.seed={cfg.data.seed}: it "
+    if "seed" in saved and saved["seed"] != now["seed"]:
+        raise UserError(f"{path} was trained with seed={saved['seed']}; this run has seed={now['seed']}: the seed "
+                        f"decides the order of the samples, so resuming needs the same seed (seed={saved['seed']})")
+    data_seed, seed_now = (saved.get("data") or {}).get("seed"), now["data"].get("seed")
+    if data_seed is not None and seed_now is not None and data_seed != seed_now:
+        raise UserError(f"{path} was trained with data.seed={data_seed}; this run has data.seed={seed_now}: it "
                         "decides which samples the data holds (or which are held out), so resuming needs the same "
                         f"data.seed (data.seed={data_seed})")
-    target = (saved.get("optim") or {}).get("_target_")
-    if target is not None and target != cfg.optim._target_:
-        raise UserError(f"{path} was trained with the optimizer {target}; this run uses {cfg.optim._target_}: resuming "
+    target, target_now = (saved.get("optim") or {}).get("_target_"), now["optim"]["_target_"]
+    if target is not None and target != target_now:
+        raise UserError(f"{path} was trained with the optimizer {target}; this run uses {target_now}: resuming "
                         "needs the same optimizer (" + (f"optim={target.rsplit('.', 1)[-1]}" if target.startswith(
                             "accutrain.models.optim.") else f"optim._target_={target}") + ")")
 
 
-def follow_this_runs_optimizer(c: Components, path: Path, fresh: list[dict[str, Any]], fresh_base: list[float]
+def follow_this_runs_optimizer(parts: Components, path: Path, fresh: list[dict[str, Any]], fresh_base: list[float]
                                ) -> None:
     """Loading the optimizer and scheduler states brings back the checkpoint's settings (learning rate, weight
     decay, momentum, …) with the moments; this run's config (what config.yaml records) wins, and a change is said in
     one line. The learning rate keeps its place in the schedule: lr = this run's base lr × the schedule's factor."""
     changed = []
-    for group, own in zip(c.optimizer.param_groups, fresh):
+    for group, own in zip(parts.optimizer.param_groups, fresh):
         for key, value in own.items():
             if key in group and differs(group[key], value):
                 changed.append(f"{key} {group[key]} → {value}")
                 group[key] = value
-    base = getattr(c.scheduler, "base_lrs", None)
+    base = getattr(parts.scheduler, "base_lrs", None)
     if base is not None and len(base) == len(fresh_base) and list(base) != fresh_base:
         changed.append(f"lr {base[0]:g} → {fresh_base[0]:g}")
-        for group, old, new in zip(c.optimizer.param_groups, base, fresh_base):
+        for group, old, new in zip(parts.optimizer.param_groups, base, fresh_base):
             group["lr"] = group["lr"] * new / old if old else new
             group["initial_lr"] = new
-        c.scheduler.base_lrs = list(fresh_base)
-        c.scheduler._last_lr = [group["lr"] for group in c.optimizer.param_groups]  # what get_last_lr() reports
+        parts.scheduler.base_lrs = list(fresh_base)
+        parts.scheduler._last_lr = [group["lr"] for group in parts.optimizer.param_groups]  # what get_last_lr() reports
     if changed:
         log.warning(f"resuming with optimizer settings other than those {path} was trained with "
                     f"({', '.join(dict.fromkeys(changed))}): this run's config applies from here")
@@ -211,10 +213,10 @@ def differs(a: Any, b: Any) -> bool:
     return a != b
 
 
-def say_another_precision(path: Path, saved: dict[str, Any], cfg: DictConfig) -> None:
+def say_another_precision(path: Path, saved: dict[str, Any], run: dict[str, Any]) -> None:
     """Resuming in another trainer.precision is allowed (the weights and optimizer state load in any), and said."""
     before = (saved.get("trainer") or {}).get("precision")
-    now = str(cfg.trainer.precision)
+    now = str(run["trainer"]["precision"])
     if before is not None and str(before) != now:
         log.warning(f"resuming with trainer.precision={now}; {path} was trained with trainer.precision={before}: "
                     "the steps from here are computed in another precision (the run is no longer one precision's)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from accutrain.config.targets import instantiate, record, run_arguments
+from accutrain.config.targets import instantiate, run_arguments
+from accutrain.config.train import TrainConfig
 from accutrain.data import checks as data_checks
 from accutrain.errors import UserError
 
@@ -30,22 +30,22 @@ def decode(tok: Any, ids: list[int]) -> str:
     return "".join(out) + pending.decode("utf-8", errors="replace")
 
 
-def show_sample(cfg: DictConfig, index: int) -> str:
+def show_sample(cfg: TrainConfig, index: int) -> str:
     """Training sample `index` of the configured data, rendered with the tokens whose label is not
     loss.ignore_index between ⟦ and ⟧ (the targets the loss predicts, each from the token before it), a line per
     packed document boundary."""
-    record(cfg.data, run_arguments("data", cfg.data, dict(seed=cfg.seed)))
+    supplied = run_arguments("data", cfg.data, dict(seed=cfg.seed))
     with torch.random.fork_rng(devices=[]):
-        datasets, _ = data_checks.prepare(instantiate("data", cfg.data), cfg)
+        datasets, _ = data_checks.prepare(instantiate("data", cfg.data.node(supplied)), cfg)
     train, tok = datasets.train, datasets.tokenizer
     if not 0 <= index < len(train):
         raise UserError(f"--show-sample={index}: the training split has {len(train)} samples (0 to {len(train) - 1})")
     item = train[index]
     if tok is None or not isinstance(item, dict) or "input_ids" not in item or item["labels"].dim() != 1:
         raise UserError("--show-sample shows a language-modelling sample of tokenized text (data=text, data=hf); "
-                        f"this data ({cfg.data._target_}) has none")
+                        f"this data ({cfg.data.target}) has none")
     ids, labels = item["input_ids"].tolist(), item["labels"].tolist()
-    counted = [label != cfg.loss.ignore_index for label in labels]
+    counted = [label != cfg.loss.get("ignore_index", -100) for label in labels]
     documents = item.get("document_ids")
     starts = {0} if documents is None else {i for i in range(len(ids)) if i == 0 or documents[i] != documents[i - 1]}
     rendered: list[str] = []

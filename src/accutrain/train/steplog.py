@@ -35,24 +35,24 @@ class Settled:
 
 
 class StepLog:
-    def __init__(self, c: Components, metrics: MetricsLog, p: Progress) -> None:
-        self.c, self.metrics, self.p = c, metrics, p
-        self.log_every, self.elements, self.scaler = c.trainer.log_every, c.loss.tokens, c.precision.scaler
-        self.bar = StepBar(c.plan.total_steps, p.step, c.trainer.progress and c.world.main)
+    def __init__(self, parts: Components, metrics: MetricsLog, p: Progress) -> None:
+        self.parts, self.metrics, self.p = parts, metrics, p
+        self.log_every, self.elements, self.scaler = parts.trainer.log_every, parts.loss.tokens, parts.precision.scaler
+        self.bar = StepBar(parts.plan.total_steps, p.step, parts.trainer.progress and parts.world.main)
         self.began, self.start_samples, self.peak, self.t0 = time.perf_counter(), p.samples, 0.0, 0.0
-        self.compiling = compiled.WATCH if compiled.is_compiled(c.model) else None
+        self.compiling = compiled.WATCH if compiled.is_compiled(parts.model) else None
         self.graphs_said, self.first_step = 0, p.step + 1
         self.tokens = 0  # this session's loss terms, when they are elements
 
     def start(self) -> None:
         """A window begins: its time and its peak memory count from here."""
         self.t0 = time.perf_counter()
-        memory.reset_peak(self.c.device)
+        memory.reset_peak(self.parts.device)
 
     def __call__(self, window: Window, terms: int, loss: float, lr: float, w: Settled, skipped: Optional[str],
                  micro_batches: int) -> None:
         """Record the optimizer step just taken (or skipped) on `window`: |W| = `terms`, `micro_batches` per rank."""
-        c, p, norm = self.c, self.p, w.norm
+        parts, p, norm = self.parts, self.p, w.norm
         now = time.perf_counter()
         seconds = now - self.t0
         rate = window.size / seconds
@@ -60,23 +60,23 @@ class StepLog:
         record = dict(step=p.step, epoch=epoch + 1, loss=loss if math.isfinite(loss) else None,
                       samples=window.size, effective=window.batch, micro_batches=micro_batches, lr=lr,
                       grad_norm=norm if math.isfinite(norm) else None, samples_per_s=rate, samples_seen=p.samples,
-                      time=now - self.began, peak_mem_mb=round(memory.peak_mb(c.device), 1))
+                      time=now - self.began, peak_mem_mb=round(memory.peak_mb(parts.device), 1))
         self.peak = max(self.peak, record["peak_mem_mb"])
         if self.elements:  # tokens: their count, rate and the perplexity of the window
             self.tokens += terms
             record.update(elements=terms, tokens_per_s=terms / seconds,
                           ppl=math.exp(min(loss, 700)) if math.isfinite(loss) else None)
-        padding = c.sampler.padding(window)
+        padding = parts.sampler.padding(window)
         if padding is not None:  # token data: the tokens the model read, and the share of padding its rows added
             record.update(input_tokens=padding[0], input_tokens_per_s=padding[0] / seconds,
                           pad_fraction=1 - padding[0] / padding[1] if padding[1] else 0.0)
         if self.scaler:
             record["amp_scale"] = w.scale
-        record.update(scaled_hparams(c, window.batch, skipped))
-        if c.noise is not None:
-            record.update(c.noise.record)
-        if c.strategy.comm is not None:
-            record["grad_syncs"], record["comm_bytes"] = c.strategy.comm.take()
+        record.update(scaled_hparams(parts, window.batch, skipped))
+        if parts.noise is not None:
+            record.update(parts.noise.record)
+        if parts.strategy.comm is not None:
+            record["grad_syncs"], record["comm_bytes"] = parts.strategy.comm.take()
         if skipped:
             record["skipped"] = skipped
             log.warning(f"step {p.step}: " + (
@@ -89,7 +89,7 @@ class StepLog:
         if not self.bar.disable:
             self.bar.step(loss, lr, unit, per_s)
         if self.compiling is not None and self.compiling.graphs == 0 and p.step == self.first_step and \
-                c.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
+                parts.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
             log.warning("trainer.compile=true, yet torch.compile compiled nothing in the first optimizer step: the "
                         "model runs eagerly (dynamo skipped it; TORCH_LOGS=graph_breaks,recompiles says why)")
         if self.compiling is not None and self.compiling.graphs != self.graphs_said:
@@ -98,7 +98,7 @@ class StepLog:
                      f"compiling (optimizer step {p.step})")
         if p.step % self.log_every == 0:
             ppl = f"  ppl {record['ppl']:.4g}" if record.get("ppl") is not None else ""
-            log.info(f"step {p.step}/{c.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}{ppl}  lr {lr:.4g}  "
+            log.info(f"step {p.step}/{parts.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}{ppl}  lr {lr:.4g}  "
                      f"grad_norm {norm:.3g}  {per_s:.0f} {unit}/s")
 
     @property
@@ -115,12 +115,12 @@ class StepLog:
         self.bar.close()
 
 
-def scaled_hparams(c: Components, effective: int, skipped: Optional[str]) -> dict[str, Optional[float]]:
+def scaled_hparams(parts: Components, effective: int, skipped: Optional[str]) -> dict[str, Optional[float]]:
     """What scaling.beta2 and scaling.ema made of β2 (the first parameter group's) and the EMA's decay for this
     window's batch (the decay None when no update was taken); nothing when neither scales."""
-    scaled, out = c.lr_scaling.window(effective), {}
-    if c.lr_scaling.beta2 is Beta2Scaling.half_life:
-        out["beta2"] = c.optimizer.param_groups[0]["betas"][1] ** scaled.beta2
-    if c.lr_scaling.ema and c.ema is not None:
-        out["ema_decay"] = c.ema.last_decay if skipped is None else None
+    scaled, out = parts.lr_scaling.window(effective), {}
+    if parts.lr_scaling.beta2 is Beta2Scaling.half_life:
+        out["beta2"] = parts.optimizer.param_groups[0]["betas"][1] ** scaled.beta2
+    if parts.lr_scaling.ema and parts.ema is not None:
+        out["ema_decay"] = parts.ema.last_decay if skipped is None else None
     return out

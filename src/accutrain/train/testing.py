@@ -18,19 +18,19 @@ from accutrain.train.metrics import MetricsLog
 log = logging.getLogger("accutrain")
 
 
-def run_test(c: Components, metrics: MetricsLog, p: Progress, best: Optional[Path]) -> Optional[dict[str, Any]]:
+def run_test(parts: Components, metrics: MetricsLog, p: Progress, best: Optional[Path]) -> Optional[dict[str, Any]]:
     """Evaluate the test split with the model's weights as training left them (`test_*`, `test_*_ema` with
     trainer.ema) and with those of `best` (the best checkpoint: `test_*_best`, `test_*_ema_best`), when it holds the
     best evaluation's step; record and log it. None without a test split. The model holds the best weights after."""
-    if c.test_loader is None:
+    if parts.test_loader is None:
         return None
-    record: dict[str, Any] = dict(kind="test", step=p.step, epoch=p.last_epoch + 1, **weights_metrics(c))
+    record: dict[str, Any] = dict(kind="test", step=p.step, epoch=p.last_epoch + 1, **weights_metrics(parts))
     if p.best_step is not None:
         record["best_step"] = p.best_step
         if p.best_step == p.step:  # the best weights are the last ones: measured once
-            record.update({f"{name}_best": value for name, value in weights_metrics(c).items()})
-        elif (why := load_best(c, best, p.best_step)) is None:
-            record.update({f"{name}_best": value for name, value in weights_metrics(c).items()})
+            record.update({f"{name}_best": value for name, value in weights_metrics(parts).items()})
+        elif (why := load_best(parts, best, p.best_step)) is None:
+            record.update({f"{name}_best": value for name, value in weights_metrics(parts).items()})
         else:
             log.warning(f"test: the best weights (optimizer step {p.best_step}) are not evaluated: {why}")
     metrics.evaluation(record)
@@ -38,16 +38,16 @@ def run_test(c: Components, metrics: MetricsLog, p: Progress, best: Optional[Pat
     return record
 
 
-def weights_metrics(c: Components) -> dict[str, float]:
+def weights_metrics(parts: Components) -> dict[str, float]:
     """The test split's metrics of the model's current weights, and of their average with trainer.ema."""
-    measured = measure(c, "", c.test_loader, "test")
-    if c.ema is not None:
-        with c.ema.swapped_in(c.model):
-            measured.update(measure(c, "_ema", c.test_loader, "test"))
+    measured = measure(parts, "", parts.test_loader, "test")
+    if parts.ema is not None:
+        with parts.ema.swapped_in(parts.model):
+            measured.update(measure(parts, "_ema", parts.test_loader, "test"))
     return measured
 
 
-def load_best(c: Components, path: Optional[Path], step: int) -> Optional[str]:
+def load_best(parts: Components, path: Optional[Path], step: int) -> Optional[str]:
     """Load the best checkpoint's weights into the model (every rank); None, or why they could not be."""
     if path is None or not (path.exists()):
         return f"no best checkpoint at {path}"
@@ -57,7 +57,7 @@ def load_best(c: Components, path: Optional[Path], step: int) -> Optional[str]:
         return str(e)
     if state.get("step") != step:
         return f"{path} holds optimizer step {state.get('step')} (it could not be written since)"
-    c.strategy.load_weights(c.model, c.ema, state, path)
+    parts.strategy.load_weights(parts.model, parts.ema, state, path)
     return None
 
 

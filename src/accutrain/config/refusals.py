@@ -1,0 +1,123 @@
+"""The table of refused combinations: an option (a loss family, a strategy, a way of making samples), the other keys
+it cannot be combined with, and the remedy. It is checked on the typed run before PyTorch loads (config.validate),
+so a refused combination is one line in about two seconds, before the run directory exists.
+
+A new loss family that refuses something adds its entry here — one entry, its rows — and nothing elsewhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from accutrain.config.train import TrainConfig
+from accutrain.errors import UserError
+
+CONTRASTIVE = "accutrain.core.contrastive.contrastive"
+
+Test = Callable[[TrainConfig], bool]
+
+
+@dataclass(frozen=True)
+class Row:
+    """`other` (the key as typed, with the run's value: a callable formats it) refused beside the entry's option."""
+
+    when: Test
+    other: str | Callable[[TrainConfig], str]
+    remedy: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An option (`key`, as a user types it) and the combinations it refuses."""
+
+    key: str
+    chosen: Test
+    rows: tuple[Row, ...]
+
+
+def effective_batch(c: TrainConfig) -> int | None:
+    """micro_batch × accum × devices (or global_batch) where the config alone decides it."""
+    if c.global_batch is not None:
+        return c.global_batch
+    if isinstance(c.micro_batch, int) and isinstance(c.devices, int) and c.batch_schedule is None:
+        return c.micro_batch * (c.accum or 1) * c.devices
+    return None
+
+
+def random_views(c: TrainConfig) -> bool:
+    """Whether augment= draws anything per sample (a flip left to `auto` may: the data decides)."""
+    a = c.augment
+    return a.crop.name != "none" or a.flip in (True, "auto") or a.policy is not None or a.random_erasing > 0
+
+
+TABLE: tuple[Entry, ...] = (
+    Entry("loss=contrastive", lambda c: c.loss.target == CONTRASTIVE, (
+        Row(lambda c: c.augment.views != 2, lambda c: f"augment.views={c.augment.views}",
+            "loss=contrastive needs pairs: set augment.views=2 (two random views of each sample, with a random "
+            "augment=, e.g. augment=crop_flip)"),
+        Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
+        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        Row(lambda c: c.micro_tokens is not None, lambda c: f"micro_tokens={c.micro_tokens}", "give micro_batch=N"),
+        Row(lambda c: c.trainer.accum_dtype is not None or c.trainer.offload_grads,
+            "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
+        Row(lambda c: c.augment.mixup_alpha > 0 or c.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",
+            "set them to 0: pairs are not mixed"),
+        Row(lambda c: c.trainer.noise_scale, "trainer.noise_scale=true", "a micro-batch's gradient of a window-level "
+            "loss is not an estimate of the window's (its negatives come from the whole window): set "
+            "trainer.noise_scale=false"),
+        Row(lambda c: effective_batch(c) == 1, lambda c: f"an effective batch of {effective_batch(c)}",
+            "a window of one pair has no negative: its loss is 0 whatever the weights; give global_batch=N, N ≥ 2"),
+    )),
+    Entry("augment.views=2", lambda c: c.augment.views == 2, (
+        Row(lambda c: c.loss.target != CONTRASTIVE, lambda c: f"loss={c.loss.target.rsplit('.', 1)[-1]}",
+            "pairs of views are for loss=contrastive: set augment.views=1, or loss=contrastive"),
+        Row(lambda c: not random_views(c), "augment=none (no random crop, flip, policy or erasing)",
+            "augment.views=2 needs two different random views of each image: set a random augment= (e.g. "
+            "augment=crop_flip)"),
+    )),
+    Entry("strategy=fsdp", lambda c: c.strategy.name == "fsdp", (
+        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "a trial step that runs out of memory on one "
+            "rank would leave the others waiting in FSDP's collectives; give micro_batch=N"),
+        Row(lambda c: c.trainer.offload_grads, "trainer.offload_grads=true", "use strategy.cpu_offload=true, which "
+            "keeps the sharded weights, gradients and optimizer state in host memory"),
+        Row(lambda c: c.trainer.accum_dtype is not None, lambda c: f"trainer.accum_dtype={c.trainer.accum_dtype}",
+            "with trainer.precision=bf16-mixed FSDP already reduces and accumulates gradients in float32"),
+        Row(lambda c: str(c.trainer.precision) == "16-mixed", "trainer.precision=16-mixed", "float16 with a "
+            "GradScaler is not verified with FSDP; use bf16-mixed"),
+        Row(lambda c: c.batchnorm.sync, "batchnorm.sync=true", "use batchnorm.convert=group or "
+            "batchnorm.convert=frozen"),
+        Row(lambda c: c.trainer.ema_device is not None, lambda c: f"trainer.ema_device={c.trainer.ema_device}",
+            "the average is sharded like the weights (1/devices of it per rank); strategy.cpu_offload=true keeps "
+            "both in host memory"),
+        Row(lambda c: c.trainer.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not "
+            "verified with accutrain's exact accumulation; use strategy=ddp to compile"),
+        Row(lambda c: c.trainer.noise_scale, "trainer.noise_scale=true", "FSDP's gradients are sharded and reduced "
+            "as they arrive, so a micro-batch's own gradient is never whole on a rank; use strategy=ddp to measure "
+            "the noise scale"),
+        Row(lambda c: c.model.get("adapter") is not None, lambda c: f"model.adapter={c.model.get('adapter')}",
+            "sharding a frozen base with its adapter is not verified with adapter-only checkpoints; use "
+            "strategy=ddp, which reduces only the adapter's gradients"),
+        Row(lambda c: c.trainer.export is not None, lambda c: f"trainer.export={c.trainer.export}", "exporting "
+            "needs the whole model in one process; load the run's full checkpoint (strategy.checkpoint=full) into "
+            "the model and export that"),
+    )),
+    Entry("model.quantize=4bit", lambda c: c.model.get("quantize") is not None, (
+        Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "
+            "drop model.quantize to train LoRA on the unquantized weights"),
+    )),
+)
+
+
+def refuse_combinations(c: TrainConfig) -> None:
+    """The first refused combination of the run's options, as one UserError."""
+    for entry in TABLE:
+        if not entry.chosen(c):
+            continue
+        for row in entry.rows:
+            if row.when(c):
+                other = row.other(c) if callable(row.other) else row.other
+                raise UserError(f"{entry.key} cannot be combined with {other}: {row.remedy}")
+
+
+def rows() -> list[tuple[str, Row]]:
+    """Every row of the table with its option (the tests run each through the command line)."""
+    return [(entry.key, row) for entry in TABLE for row in entry.rows]
