@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from accutrain.config.train import compose
-from accutrain.core.memory import is_oom
+from accutrain.train.memory import is_oom
 from accutrain.dist import World
 from accutrain.train.build import build
 

@@ -26,7 +26,7 @@ import torch
 
 from accutrain import dist
 from accutrain.config.train import compose
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.run.launch import spawn
 from accutrain.signals import StopRequest
 from accutrain.train.build import build

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from accutrain.config.train import compose
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.signals import StopRequest
 from accutrain.train.build import build

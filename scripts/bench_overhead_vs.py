@@ -50,7 +50,7 @@ def import_revision(rev: str, into: Path) -> str:
 
 # Where each module the bench uses lives: the layered package, then the flat one that came before it.
 LAYOUTS = ({"build": "train.build", "config": "config.train", "dist": "dist", "loop": "train.loop",
-            "metrics": "train.metrics", "progress": "core.progress", "signals": "signals"},
+            "metrics": "train.metrics", "progress": "store.progress", "signals": "signals"},
            {k: k for k in ("build", "config", "dist", "loop", "metrics", "progress", "signals")})
 
 

@@ -12,7 +12,7 @@ from accutrain.config.renames import RENAMED, renamed
 from accutrain.config.validate import validate
 from accutrain.data import Datasets
 from accutrain.errors import UserError
-from conftest import train_here
+from conftest import train_here, train_run
 
 TINY = ["debug=fast", "data.size=40", "data.val_size=8", "trainer.max_steps=2", "trainer.checkpoint_every=1"]
 
@@ -40,6 +40,27 @@ def test_a_runs_config_yaml_instantiates_its_model_data_optimizer_and_scheduler(
         assert (saved.model.num_classes, saved.model.in_channels, saved.model.image_size) == (10, 1, 8)
     with torch.no_grad():
         assert net.eval()(datasets.val[0][0][None]).shape == (1, datasets.num_classes)
+
+
+def test_both_records_of_a_run_rebuild_it_with_instantiate(tmp_path):
+    """config.yaml holds the command's config with the arguments the run supplied in their nodes, and those arguments
+    again under `supplied`; Hydra's .hydra/config.yaml holds the command's config as typed: with the supplied record
+    it builds the same model, data, optimizer, scheduler and loss."""
+    run_dir, _ = train_run(tmp_path, "run", *TINY, "model=mlp", "optim=adamw", "sched=cosine", "trainer.progress=false")
+    saved, composed = OmegaConf.load(run_dir / "config.yaml"), OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    supplied = saved.supplied
+    assert (supplied.model.num_classes, supplied.model.in_channels, supplied.sched.total_steps) == (10, 1, 2)
+    assert "num_classes" not in composed.model and "total_steps" not in composed.sched  # the input is not mutated
+    weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    for cfg, extra in ((saved, {}), (composed, supplied)):
+        datasets = instantiate(cfg.data, **extra.get("data", {}))
+        net = instantiate(cfg.model, **extra.get("model", {}))
+        net.load_state_dict(weights)  # strict: the very architecture the run trained
+        scheduler = instantiate(cfg.sched, instantiate(cfg.optim, net), **extra.get("sched", {}))
+        assert isinstance(scheduler.optimizer, torch.optim.AdamW)
+        loss = instantiate(cfg.loss)
+        x, y = datasets.val[0]
+        assert loss.eval_metrics(loss.eval_sums(net.eval()(x[None]), torch.tensor([y])).tolist())["val_loss"] > 0
 
 
 def test_the_optimizer_factories_take_parameters_as_well_as_a_module():

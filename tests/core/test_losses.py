@@ -11,7 +11,7 @@ from torch import nn
 
 from accutrain.core import losses
 from accutrain.core.loss import SummedLoss
-from accutrain.core.monitor import Monitor
+from accutrain.train.monitor import Monitor
 from accutrain.core.step import accumulate, evaluate
 from accutrain.errors import UserError
 from accutrain.models.losses import build_loss

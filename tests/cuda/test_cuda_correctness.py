@@ -22,7 +22,7 @@ from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.loss import make_loss
 from accutrain.core.options import Normalize
 from accutrain.core.precision import make_precision
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.core import loss as core_loss
 from accutrain.core.step import accumulate
 from accutrain.dist import World

@@ -9,7 +9,7 @@ import torch
 
 from accutrain.core import compiled
 from accutrain.core.precision import full_float32, tolerance
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.signals import StopRequest
 from accutrain.train.auto_batch import divisors

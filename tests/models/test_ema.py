@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models.ema import EMA

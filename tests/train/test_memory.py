@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from accutrain.core.grad_buffers import GradBuffers
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models.checkpointing import enable_activation_checkpointing

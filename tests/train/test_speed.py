@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from accutrain import dist
 from accutrain.config.validate import validate
-from accutrain.core import compiled, memory
-from accutrain.core.progress import Progress
+from accutrain.core import compiled
+from accutrain.train import memory
+from accutrain.store.progress import Progress
 from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.parallel.strategy import Strategy

@@ -1,5 +1,6 @@
-"""The schemas of what is trained and how it descends: the config groups `model/`, `data/`, `augment/`, `optim/`,
-`sched/` and the nodes `batchnorm`, `loader`, `scaling` (the `loss/` group's are in accutrain.config.loss_schemas),
+"""The schemas of what is trained and how it descends: the config groups `model/`, `augment/`, `optim/`, `sched/` and
+the nodes `batchnorm`, `loader`, `scaling` (the `data/` group's are in accutrain.config.data_schemas, the `loss/`
+group's in accutrain.config.loss_schemas),
 as dataclasses in Hydra's ConfigStore (accutrain.config.train registers them with the others), so that an unknown
 key or a wrong type is refused by name when the config is composed.
 """
@@ -9,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import II, MISSING
+from omegaconf import MISSING
 
 from accutrain.core.options import Beta2Scaling, LRScaling, MixMode
 
@@ -20,7 +21,7 @@ class Norm(enum.Enum):
     frozen = "frozen"  # BatchNorm kept in eval mode: fixed running statistics (fine-tuning pretrained weights)
 
 
-# --- model/, data/, optim/, sched/: factory nodes --------------------------------------------------------
+# --- model/, optim/, sched/: factory nodes --------------------------------------------------------
 # Each holds a `_target_` and its keyword arguments only, so that hydra.utils.instantiate builds it from a run's
 # config.yaml (which also records the arguments taken from the data: num_classes, in_channels, …). What accutrain
 # applies around the factories has nodes of its own: batchnorm, loader, scaling.
@@ -94,115 +95,6 @@ class HFCausalLMModel(HFModel):
 @dataclass
 class HFSeqClsModel(HFModel):
     _target_: str = "accutrain.models.hf.seq_cls"
-
-
-# --- data/ --------------------------------------------------------------------------------------------
-# `_target_` returns an accutrain.data.Datasets.
-@dataclass
-class DataConfig:
-    _target_: str = MISSING
-
-
-@dataclass
-class DigitsData(DataConfig):
-    _target_: str = "accutrain.data.digits"
-    test: int = 0  # training images held out as a test split, drawn by the seed (0: no test stage)
-
-
-@dataclass
-class SyntheticData(DataConfig):
-    _target_: str = "accutrain.data.synthetic"
-    size: int = 1000  # training samples
-    val_size: int = 200
-    image_size: int = 16
-    num_classes: int = 10
-    channels: int = 3
-    noise: float = 1.0
-    seed: int = II("seed")
-    target: str = "classes"  # classes | regression (num_classes floats) | multilabel (multi-hot over num_classes)
-    test: int = 0  # generated test samples (0: no test stage)
-
-
-@dataclass
-class TorchvisionData(DataConfig):
-    _target_: str = "accutrain.data.torchvision_dataset"
-    name: str = MISSING  # cifar10 | mnist
-    root: str = "data"
-    download: bool = False
-    test: bool = False  # true: the test split is the test stage's, validation val_size training images (by the seed)
-    val_size: int = 5000  # with test: the training images held out for validation
-
-
-@dataclass
-class SequenceData(DataConfig):
-    _target_: str = "accutrain.data.sequences"
-    size: int = 2000  # training sequences
-    val_size: int = 200
-    vocab: int = 24
-    min_length: int = 4
-    max_length: int = 32  # sequences are padded to this; padded positions are ignored by the loss
-    seed: int = II("seed")
-    pad_target: int = II("loss.ignore_index")
-    test: int = 0  # generated test sequences (0: no test stage)
-
-
-@dataclass
-class TextData(DataConfig):
-    _target_: str = "accutrain.data.text.text_data"
-    train: str = MISSING  # a .txt file (a sample per non-empty line) or .jsonl (text, or prompt/response[, label])
-    val: Optional[str] = None  # the held-out file; null: val_fraction of train, held out by the seed
-    val_fraction: float = 0.1
-    tokenizer: str = "bytes"  # bytes (built in: UTF-8 bytes, no download) | a Hugging Face tokenizer name or path
-    max_length: int = 512  # tokens per sample (longer ones are truncated), or per block with packing
-    packing: Any = False  # true: whole documents per block, each attending to itself | concat | false
-    padding: str = "longest"  # longest: a micro-batch is padded to its own longest sample | max_length
-    text_field: str = "text"
-    prompt_field: str = "prompt"  # with response_field: the prompt is masked out of the loss
-    response_field: str = "response"
-    label_field: Optional[str] = "label"  # records carrying it make a sequence classification set
-    seed: int = II("seed")
-    ignore_index: int = II("loss.ignore_index")
-    test: Optional[str] = None  # a test file, evaluated at the end (null: no test stage)
-
-
-@dataclass
-class HFColumns:
-    """data.columns: which column holds each role (a role whose column is absent is not used)."""
-
-    text: str = "text"  # language modelling; with label: sequence classification
-    prompt: str = "prompt"  # with response: the prompt is masked out of the loss
-    response: str = "response"
-    messages: str = "messages"  # chat records: [{role, content}, …], the loss on the assistant's tokens
-    label: str = "label"
-
-
-@dataclass
-class HFData(DataConfig):
-    _target_: str = "accutrain.data.hf_data.hf_data"
-    train: str = MISSING  # a .json/.jsonl/.csv/.parquet file, a save_to_disk directory, or a dataset name (cached)
-    val: Optional[str] = None  # the same for held-out records; null: val_fraction of train, held out by the seed
-    val_fraction: float = 0.1
-    split: str = "train"  # the split of a dataset name or a DatasetDict directory that train reads
-    val_split: str = "validation"  # … and that val reads
-    tokenizer: str = "bytes"  # bytes (built in, with a simple chat template) | a Hugging Face tokenizer name or path
-    max_length: int = 512
-    packing: Any = False  # as data=text's
-    padding: str = "longest"
-    columns: HFColumns = field(default_factory=HFColumns)
-    cache_dir: Optional[str] = None  # where datasets caches what it reads and tokenizes; null: its default
-    seed: int = II("seed")
-    ignore_index: int = II("loss.ignore_index")
-    test: Optional[str] = None  # test records (as train is read), evaluated at the end (null: no test stage)
-    test_split: str = "test"  # the split of a dataset name or a DatasetDict directory that test reads
-
-
-@dataclass
-class ImageFolderData(DataConfig):
-    _target_: str = "accutrain.data.image_folder"
-    root: str = MISSING
-    image_size: int = 224
-    channels: int = 3
-    test: Optional[str] = None  # a test folder (<class>/<image>), under root or a path (null: no test stage)
 
 
 # --- optim/ and sched/ --------------------------------------------------------------------------------

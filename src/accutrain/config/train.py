@@ -16,12 +16,13 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig
 
+from accutrain.config.data_schemas import (DigitsData, HFData, ImageFolderData, SequenceData, SyntheticData, TextData,
+                                           TorchvisionData)
 from accutrain.config.loss_schemas import BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
-                                      CosineSched, DigitsData, HFCausalLMModel, HFData, HFSeqClsModel, ImageFolderData,
-                                      LoaderConfig, MLPModel, ScalingConfig, SequenceData, SGDOptim, SyntheticData,
-                                      TextData, TorchvisionData, TorchvisionModel)
+                                      CosineSched, HFCausalLMModel, HFSeqClsModel, LoaderConfig, MLPModel,
+                                      ScalingConfig, SGDOptim, TorchvisionModel)
 from accutrain.core.options import LastWindow
 
 

@@ -14,7 +14,7 @@ from accutrain.config.refusals import refuse_combinations
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import typed
 from accutrain.config.validate_values import check_values
-from accutrain.core.monitor import METRICS
+from accutrain.config.metrics import METRICS
 from accutrain.core.options import Beta2Scaling, LRScaling
 from accutrain.core.plan import derive_accum, window_split
 from accutrain.errors import UserError
@@ -124,7 +124,6 @@ def validate(cfg: DictConfig) -> None:
                         "evaluations, or null")
     if not 0 <= t.min_delta < math.inf:  # NaN would never let an evaluation improve
         raise UserError(f"trainer.min_delta={t.min_delta} is not valid: expected a finite number, 0 or more")
-    validate_compile(t)
     augment_and_loss(cfg)
     for name in t.preempt_signals:
         if name not in signal.Signals.__members__ or name in UNCATCHABLE:
@@ -135,6 +134,7 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"augment.views={cfg.augment.views} is not valid: expected 1, or 2 (a pair of views per sample)")
     check_values(cfg)
     refuse_combinations(typed(cfg))
+    validate_compile(t)  # last: trainer.compile=true imports torch._dynamo to ask for its backends
 
 
 def typed_run(cfg: DictConfig) -> TrainConfig:

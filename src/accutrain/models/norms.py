@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from accutrain.config.schemas import Norm
-from accutrain.models.factories import replace_module
+from accutrain.config.targets import instantiate
+from accutrain.models.factories import data_arguments, replace_module
 
 REMEDIES = ("batchnorm.convert=group (GroupNorm: statistics per sample; batchnorm.groups sets the groups), "
             "batchnorm.convert=frozen (BatchNorm in eval mode with fixed statistics, for fine-tuning pretrained "
@@ -114,3 +115,18 @@ def local_batchnorm(model: nn.Module) -> Iterator[int]:
     finally:
         for name, sync in synced:
             replace_module(model, name, sync)
+
+
+def batchnorm_in(node: dict[str, Any], sample_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10
+                 ) -> Optional[int]:
+    """How many BatchNorm layers the model node builds, from a build on the meta device (no memory, no weights, no
+    data: the data's arguments are stand-ins); None when the model cannot be built that way (pretrained weights to
+    load, a factory that computes on its weights)."""
+    if node.get("pretrained") and node.get("name_or_path"):
+        return None
+    try:
+        with torch.device("meta"):
+            model = instantiate("model", {**node, **data_arguments(node, sample_shape, num_classes)})
+    except Exception:
+        return None
+    return len(batchnorm_layers(model)) if isinstance(model, nn.Module) else None

@@ -21,6 +21,7 @@ from accutrain.core.plan import window_split
 from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, RankDied, UserError
+from accutrain.models.norms import batchnorm_in
 from accutrain.run.scheduler import launcher_name, scheduler_started
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
@@ -58,6 +59,11 @@ def place(cfg: TrainConfig) -> Ranks:
         raise UserError(f"model.quantize={cfg.model.get('quantize')} (QLoRA) needs a CUDA GPU and bitsandbytes; "
                         f"this run's device is {device}: drop model.quantize to train LoRA on the unquantized weights")
     n = world.size if world is not None else count_devices(cfg.devices, device.type)
+    if n > 1 and cfg.strategy.name == "fsdp" and cfg.batchnorm.convert.name == "keep" and \
+            (layers := batchnorm_in(cfg.model.node())):  # before the workers start and build it (seconds each)
+        raise UserError(f"strategy=fsdp with batchnorm.convert=keep: the model has {layers} BatchNorm layers, whose "
+                        "running statistics FSDP leaves different on every rank (DDP broadcasts rank 0's); use "
+                        "batchnorm.convert=group (GroupNorm) or batchnorm.convert=frozen, or strategy=ddp")
     if n > 1 and cfg.batchnorm.sync and device.type != "cuda":
         raise UserError("batchnorm.sync=true needs CUDA devices: PyTorch's SyncBatchNorm does not run on the CPU (use "
                         "devices=1, or batchnorm.sync=false)")

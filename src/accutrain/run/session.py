@@ -12,7 +12,7 @@ import torch
 from accutrain import dist
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import to_yaml
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import NonFinite, UserError
 from accutrain.parallel.state_dicts import write_sharded

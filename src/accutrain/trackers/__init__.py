@@ -23,7 +23,7 @@ from accutrain.trackers.base import RunEnd, RunInfo, Tracker, flatten, scalars
 
 if TYPE_CHECKING:
     from accutrain.core.plan import BatchPlan
-    from accutrain.core.progress import Progress
+    from accutrain.store.progress import Progress
 
 __all__ = ["RunEnd", "RunInfo", "Tracker", "Trackers", "scalars"]
 

@@ -20,7 +20,7 @@ from accutrain.config.validate import NOISE_SCALE_NEEDS_TWO
 from accutrain.core import compiled, lr_scaling
 from accutrain.core.grad_buffers import grad_buffer_spec
 from accutrain.core.mixing import make_mixer
-from accutrain.core.monitor import Monitor
+from accutrain.train.monitor import Monitor
 from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use

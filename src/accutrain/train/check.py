@@ -20,7 +20,7 @@ from torch import nn
 
 from accutrain.config.train import DDPStrategy, TrainConfig
 from accutrain.config.typed import seal
-from accutrain.core import memory
+from accutrain.train import memory
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.loss import Loss
 from accutrain.core.plan import window_split
@@ -30,7 +30,7 @@ from accutrain.dist import World, count_devices, resolve_device
 from accutrain.models.norms import REMEDIES, batchnorm_layers, local_batchnorm
 from accutrain.models.pitfalls import dropout_layers
 from accutrain.seeding import deterministic_algorithms
-from accutrain.store.checkpoint import rng_state, set_rng_state
+from accutrain.store.rng import rng_state, set_rng_state
 from accutrain.train.build import build
 from accutrain.train.components import Components
 

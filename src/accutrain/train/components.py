@@ -13,7 +13,7 @@ from accutrain.config.typed import Supplied
 from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
-from accutrain.core.monitor import Monitor
+from accutrain.train.monitor import Monitor
 from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision

@@ -19,9 +19,10 @@ import torch
 
 from accutrain import dist
 from accutrain.config.train import OnNonFinite
-from accutrain.core import lr_scaling, memory
+from accutrain.core import lr_scaling
+from accutrain.train import memory
 from accutrain.core.precision import found_inf_and_update
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.core.step import cut_micro_batches, grad_norm, pieces
 from accutrain.core.terms import TermCounts
 from accutrain.core.windows import Window, windows_of

@@ -13,10 +13,10 @@ import torch
 from accutrain import dist
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import with_supplied
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.seeding import derived_seed
-from accutrain.store import checkpoint
+from accutrain.store import checkpoint, rng
 from accutrain.store.files import read_jsonl, write_atomic
 from accutrain.train.components import Components
 
@@ -26,11 +26,11 @@ log = logging.getLogger("accutrain")
 def checkpoint_state(parts: Components, p: Progress) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
     """The whole training state, gathered on every rank (the RNG states come from all of them): (what rank 0
     writes, each rank's shards of the model, optimizer and EMA — None unless strategy.checkpoint=sharded)."""
-    rng = checkpoint.rng_state()
-    rngs = [rng]
+    mine = rng.rng_state()
+    rngs = [mine]
     if parts.world.size > 1:
         rngs = [None] * parts.world.size
-        torch.distributed.all_gather_object(rngs, rng)
+        torch.distributed.all_gather_object(rngs, mine)
     tensors, shards = parts.strategy.state(parts.model, parts.optimizer, parts.ema)  # model, optimizer, ema (or their shards)
     return dict(
         format=checkpoint.FORMAT, **tensors, scheduler=parts.scheduler.state_dict(),
@@ -148,7 +148,7 @@ def restore(parts: Components, path: Path) -> Progress:
                  f"{parts.plan.total_steps}: the schedule follows this run's plan")
     rngs = state.get("rng")
     if isinstance(rngs, list) and len(rngs) == parts.world.size:
-        checkpoint.set_rng_state(rngs[parts.world.rank])
+        rng.set_rng_state(rngs[parts.world.rank])
     else:
         if isinstance(rngs, list):
             log.info(f"the checkpoint holds RNG states for {len(rngs)} rank(s), this run has {parts.world.size}: "

@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from accutrain.core import compiled, memory
+from accutrain.core import compiled
+from accutrain.train import memory
 from accutrain.core.options import Beta2Scaling
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.core.windows import Window
 from accutrain.train.components import Components
 from accutrain.train.console import StepBar

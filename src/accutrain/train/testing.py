@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from accutrain.core.progress import Progress
+from accutrain.store.progress import Progress
 from accutrain.errors import UserError
 from accutrain.store import checkpoint
 from accutrain.train.components import Components

@@ -5,20 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from accutrain.config.metrics import HIGHER_IS_BETTER, TASK_METRICS
 from accutrain.errors import UserError
-
-# What each task's evaluation measures (accutrain.core.loss / losses: a loss's `task`); trainer.monitor=auto takes
-# the loss's own choice (val_acc for a classifier, val_loss for the others and for a language model).
-TASK_METRICS = {
-    "classification": ("val_loss", "val_acc"),
-    "regression": ("val_loss", "val_mae", "val_rmse"),
-    "multilabel": ("val_loss", "val_f1"),
-    "custom": ("val_loss",),
-    "contrastive": ("val_loss", "val_recall1"),
-}
-METRICS = ("auto", *dict.fromkeys(m + ema for ms in TASK_METRICS.values() for m in ms for ema in ("", "_ema")))
-HIGHER_IS_BETTER = ("val_acc", "val_f1", "val_recall1")
-
 
 def mode_of(metric: str, mode: Optional[str]) -> str:
     """`min` or `max`: as given, else max for accuracies and F1, min for losses and errors."""

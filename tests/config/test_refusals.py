@@ -1,0 +1,113 @@
+"""Every refusal before the run directory (issue 39): each row of the refusal table (accutrain.config.refusals), and
+the mistakes only the data or a plug-in shows, through the command line — exit 2, one line, no run directory, under 5
+s of CPU."""
+from __future__ import annotations
+
+import resource
+import subprocess
+
+import pytest
+
+from accutrain.config.refusals import rows
+from conftest import TINY, TINY_DATA, assert_one_line_error, run_cli
+
+CONTRASTIVE = ["debug=fast", "loss=contrastive", "augment.views=2", "augment=crop_flip"]
+FSDP = [*TINY, "strategy=fsdp"]
+LM = ["debug=fast", "model=hf_causal_lm", "+model.config.model_type=gpt2"]
+BUDGET = ["micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000"]
+
+# One command per row of the table: (the row's option, the other key as the message names it) → the overrides.
+ROWS = {
+    ("loss=contrastive", "augment.views=1"): ["debug=fast", "loss=contrastive"],
+    ("loss=contrastive", "strategy=fsdp"): [*CONTRASTIVE, "strategy=fsdp"],
+    ("loss=contrastive", "micro_batch=auto"): [*CONTRASTIVE, *BUDGET],
+    ("loss=contrastive", "micro_tokens=64"): [*CONTRASTIVE, "micro_tokens=64", "global_batch=32"],
+    ("loss=contrastive", "trainer.accum_dtype / trainer.offload_grads"): [*CONTRASTIVE, "trainer.offload_grads=true"],
+    ("loss=contrastive", "augment.mixup_alpha / cutmix_alpha"): [*CONTRASTIVE, "augment.mixup_alpha=0.2"],
+    ("loss=contrastive", "trainer.noise_scale=true"): [*CONTRASTIVE, "trainer.noise_scale=true", "accum=2"],
+    ("loss=contrastive", "an effective batch of 1"): [*CONTRASTIVE, "micro_batch=1"],
+    ("augment.views=2", "loss=cross_entropy"): ["debug=fast", "augment.views=2", "augment=crop_flip"],
+    ("augment.views=2", "augment=none (no random crop, flip, policy or erasing)"):
+        ["debug=fast", "loss=contrastive", "augment.views=2"],
+    ("strategy=fsdp", "micro_batch=auto"): [*FSDP, *BUDGET],
+    ("strategy=fsdp", "trainer.offload_grads=true"): [*FSDP, "trainer.offload_grads=true"],
+    ("strategy=fsdp", "trainer.accum_dtype=float32"): [*FSDP, "trainer.accum_dtype=float32"],
+    ("strategy=fsdp", "trainer.precision=16-mixed"): [*FSDP, "trainer.precision=16-mixed"],
+    ("strategy=fsdp", "batchnorm.sync=true"): [*FSDP, "batchnorm.sync=true"],
+    ("strategy=fsdp", "trainer.ema_device=cpu"): [*FSDP, "trainer.ema=0.9", "trainer.ema_device=cpu"],
+    ("strategy=fsdp", "trainer.compile=true"): [*FSDP, "trainer.compile=true"],
+    ("strategy=fsdp", "trainer.noise_scale=true"): [*FSDP, "trainer.noise_scale=true", "accum=2"],
+    ("strategy=fsdp", "model.adapter=lora"): [*LM, "strategy=fsdp", "model.adapter=lora"],
+    ("strategy=fsdp", "trainer.export=weights"): [*FSDP, "trainer.export=weights"],
+    ("model.quantize=4bit", "trainer.device=cpu"):
+        [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
+}
+
+BAD_MODULE = "def make(:\n    pass\n"
+RAISING = "raise RuntimeError('no GPU driver found')\n"
+LOSSES = """
+import sys
+import torch.nn.functional as F
+
+def focal(output, target, gamma):
+    return F.cross_entropy(output, target, reduction="none") * gamma
+
+def detached(output, target):
+    return F.cross_entropy(output, target, reduction="none").detach()
+
+def leaves(output, target):
+    sys.exit(0)
+"""
+# What only the data or a plug-in shows: (files to write, the overrides, what the one line names).
+OTHERS = {
+    "a _target_ module with a syntax error": ({"badmodel.py": BAD_MODULE}, [*TINY_DATA, "model=custom",
+        "model._target_=badmodel.Net"], ["model._target_=badmodel.Net", "SyntaxError", "badmodel.py:1"]),
+    "a _target_ module raising at import": ({"raising.py": RAISING}, [*TINY, "data=custom",
+        "data._target_=raising.make"], ["data._target_=raising.make", "RuntimeError: no GPU driver found"]),
+    "a custom loss missing a required argument": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
+        "loss._target_=mylosses.focal"], ["loss._target_=mylosses.focal", "+loss.gamma"]),
+    "a custom loss without gradient": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
+        "loss._target_=mylosses.detached"], ["loss=mylosses.detached returned a loss without gradient"]),
+    "a custom loss calling sys.exit(0)": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
+        "loss._target_=mylosses.leaves"], ["loss=mylosses.leaves called sys.exit(0)"]),
+    "loss=bce with targets outside [0, 1]": ({}, [*TINY, "loss=bce", "data.target=regression"],
+        ["loss=bce takes targets in [0, 1]"]),
+    "loss=contrastive with a last window of one pair": ({}, [*CONTRASTIVE, "data.size=33"],
+        ["loss=contrastive needs 2 or more samples in every window", "trainer.last_window=drop"]),
+    "strategy=fsdp on two devices with BatchNorm": ({}, ["model=resnet18", "strategy=fsdp", "devices=2"],
+        ["strategy=fsdp with batchnorm.convert=keep", "batchnorm.convert=group"]),
+}
+
+
+def refused_quickly(tmp_path, files: dict[str, str], overrides: list[str], fragments: list[str]) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = run_cli(*overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert_one_line_error(proc, *fragments)
+    assert not (tmp_path / "run").exists(), sorted(p.name for p in (tmp_path / "run").iterdir())
+    # CPU time, not wall: another process on the cores does not count against it
+    assert cpu < 5.0, f"{cpu:.1f} s of CPU for a refusal"
+    print(f"refused in {cpu:.2f} s of CPU: {' '.join(overrides)}")
+
+
+def test_every_row_of_the_table_has_a_command():
+    named = {(key, row.other if isinstance(row.other, str) else None) for key, row in rows()}
+    assert len(rows()) == len(ROWS), "a row of accutrain.config.refusals has no command in ROWS (or one too many)"
+    assert {k for k, o in named} == {k for k, _ in ROWS}
+
+
+@pytest.mark.parametrize("key, other", list(ROWS))
+def test_a_refused_combination_is_one_line_before_the_run_directory(tmp_path, key, other):
+    if other.startswith("model.") or "lora" in " ".join(ROWS[key, other]):
+        pytest.importorskip("peft")
+    refused_quickly(tmp_path, {}, ROWS[key, other], [f"{key} cannot be combined with {other}"])
+
+
+@pytest.mark.parametrize("case", list(OTHERS))
+def test_a_mistake_of_the_data_or_a_plug_in_is_one_line_before_the_run_directory(tmp_path, case):
+    files, overrides, fragments = OTHERS[case]
+    refused_quickly(tmp_path, files, overrides, fragments)
