@@ -127,3 +127,25 @@ def test_an_old_spelling_in_a_yaml_file_is_one_line_naming_the_new_key(tmp_path)
     proc = run_cli("--config-dir", str(tmp_path), "+experiment=mine", cwd=tmp_path, check=False)
     assert_one_line_error(proc, "model.norm (in experiment/mine): model.norm is now batchnorm.convert")
     assert proc.returncode == 2
+
+
+def test_the_typed_run_is_frozen_all_the_way_down_and_travels_to_spawned_ranks(compose):
+    """What the command line checked is what every rank builds from: nothing below it can change the run."""
+    import dataclasses
+    import pickle
+
+    from accutrain.config.validate import typed_run
+
+    run = typed_run(compose("model=mlp", "logger=csv"))
+    for change in (lambda: setattr(run, "seed", 1), lambda: setattr(run.trainer, "epochs", 9),
+                   lambda: setattr(run.model, "target", "x.Y")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            change()
+    with pytest.raises(TypeError):
+        run.model.arguments["hidden"] = [8]
+    assert isinstance(run.model.get("hidden"), tuple) and run.logger["csv"].target.endswith(".CSV")
+    again = pickle.loads(pickle.dumps(run))  # as spawned workers receive it
+    assert again == run
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.trainer.epochs = 9
+    assert dataclasses.replace(run.trainer, epochs=9).epochs == 9 and run.trainer.epochs == 5  # a changed copy

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.core.step import accumulate, evaluate, grad_norm
+from accutrain.core.batches import Batch
+from accutrain.core.step import accumulate, evaluate, grad_norm, micro_steps
 
 
 def model_and_data(n=14, seed=0):
@@ -73,6 +74,19 @@ def test_no_sync_on_every_micro_batch_but_the_last():
     chunks = list(zip(x.split(4), y.split(4)))
     accumulate(model, chunks, 12, torch.device("cpu"), no_sync=Recorder)
     assert len(entered) == len(chunks) - 1
+
+
+def test_micro_steps_skip_stand_ins_but_the_synchronising_one():
+    """The one rule both one-pass and two-pass accumulation walk: a stand-in (an empty share of a short window) runs
+    only when it is the last micro-batch, whose backward all-reduces; the last always synchronises."""
+    x, y = torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64)
+    real, stand_in = Batch(x, y), Batch(x, y, stand_in=True)
+    walk = lambda *batches: [(b.stand_in, last) for b, last in micro_steps(batches)]  # noqa: E731
+    assert walk(real, real) == [(False, False), (False, True)]
+    assert walk(real, stand_in) == [(False, False), (True, True)]  # forwarded: the all-reduce happens
+    assert walk(stand_in, stand_in, real) == [(False, True)]  # skipped: nothing to synchronise there
+    assert walk(stand_in) == [(True, True)]
+    assert walk() == []
 
 
 def test_grad_norm_measures_before_clipping():
