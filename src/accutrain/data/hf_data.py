@@ -17,6 +17,8 @@ from typing import Any, Optional
 from accutrain.data.chat import encode_chat
 from accutrain.data.datasets import Datasets
 from accutrain.data.packing import describe, pack, packing_mode, packing_name
+from accutrain.data.pairs import PairColumns, is_pairs, pair_datasets, pair_items
+from accutrain.data.pairs import describe as describe_pairs
 from accutrain.data.text import as_items, check_lengths, class_index, encode, hold_out, tokenized_datasets
 from accutrain.data.tokenizer import load_tokenizer
 from accutrain.errors import UserError
@@ -24,7 +26,7 @@ from accutrain.errors import UserError
 log = logging.getLogger("accutrain")
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-ROLES = ("text", "prompt", "response", "messages", "label")
+ROLES = ("text", "prompt", "response", "messages", "label", "anchor", "positive", "negative")
 
 
 def require_datasets() -> Any:
@@ -107,14 +109,18 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
         raise UserError(f"data.columns.{unknown[0]} is not a role: expected one of {', '.join(ROLES)}")
     datasets = require_datasets()
     source = load(datasets, train, split, cache_dir, "data.train")
+    rows: list[Optional[list[int]]] = [None, None]  # each split's records' rows in its file (held out: the file's)
     if val is not None:
         held = load(datasets, val, val_split, cache_dir, "data.val")
     else:
         kept, out = hold_out(len(source), val_fraction, seed)
-        source, held = source.select(kept), source.select(out)
+        source, held, rows = source.select(kept), source.select(out), [kept, out]
     parts = [(source, train), (held, val or train)]
     if test is not None:
         parts.append((load(datasets, test, test_split, cache_dir, "data.test"), test))
+    pair_columns = PairColumns(roles["anchor"], roles["positive"], roles["negative"])
+    if is_pairs(source.column_names, pair_columns):
+        return hf_pairs(parts, rows + [None], pair_columns, tokenizer, max_length, packing, padding, train)
     kind = task(source.column_names, roles, train)
     if packing and kind == "classes":
         raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry labels "
@@ -142,3 +148,25 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
     return tokenized_datasets(splits, tok, names, max_length, padding, ignore_index,
                               f"hf {train} ({what}{describe(packing)}; tokenizer {tokenizer}, "
                               f"max_length {max_length})")
+
+
+def hf_pairs(parts: list[tuple[Any, str]], rows: list[Optional[list[int]]], columns: PairColumns, tokenizer: str,
+             max_length: int, packing: Any, padding: str, train: str) -> Datasets:
+    """data=hf's records of text pairs (and triples), each split as pair items (data.pairs); a record named by its
+    row in its file."""
+    if packing:
+        raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; {train} holds text "
+                        "pairs (data.columns.anchor and .positive): use data.packing=false")
+    tok = load_tokenizer(tokenizer)
+    splits = []
+    for (part, where), row in zip(parts, rows):
+        wanted = [c for c in (columns.anchor, columns.positive, *columns.negatives(part.column_names))]
+        missing = [c for c in wanted[:2] if c not in part.column_names]
+        if missing:
+            raise UserError(f"{where} has no column {missing[0]!r} (data.columns); its columns are: "
+                            f"{', '.join(part.column_names)}")
+        records = part.select_columns(wanted).to_list()
+        splits.append(pair_items(records, columns, tok, max_length, where,
+                                 (lambda i, row=row: row[i] + 1) if row is not None else None))
+    return pair_datasets(splits, tok, max_length, padding, f"hf {train} ({describe_pairs(columns, wanted)}; "
+                         f"tokenizer {tokenizer}, max_length {max_length})")
