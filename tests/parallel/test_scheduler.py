@@ -27,10 +27,24 @@ def step_env(rank: int, tasks: int = 2, job: str = "4242", **more: str) -> dict:
                    SLURM_JOB_NODELIST="localhost"), **more}
 
 
-@pytest.mark.parametrize("nodelist, host", [("gpu[07-09,12],cpu3", "gpu07"), ("node1,node2", "node1"),
-                                            ("a-b-[3-4]", "a-b-3"), ("single", "single"), ("n[5]", "n5")])
+# SLURM's node lists (scontrol show hostnames expands them): hosts separated by commas outside brackets, bracket
+# groups of zero-padded numbers and ranges, anywhere in a name and several in one name.
+NODE_LISTS = [
+    ("gpu[07-09,12],cpu3", "gpu07"), ("n[001-004]-ib", "n001-ib"), ("a[1-2]b[3-4]", "a1b3"), ("node1,node2", "node1"),
+    ("a-b-[3-4]", "a-b-3"), ("single", "single"), ("n[5]", "n5"), ("rack[2,4-5]-gpu[010-012]", "rack2-gpu010"),
+    ("x[09-10]y,z[1-2]", "x09y"), ("node-001.cluster", "node-001.cluster"), (" c[3-4] ", "c3"),
+]
+
+
+@pytest.mark.parametrize("nodelist, host", NODE_LISTS)
 def test_the_first_host_of_a_node_list(nodelist, host):
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("nodelist", ["", "n[1-", "a]b", ",x", "n[a-b]", "n[1-2]]"])
+def test_a_node_list_that_cannot_be_read_is_one_line(nodelist):
+    with pytest.raises(UserError, match="cannot read the node list"):
+        first_host(nodelist)
 
 
 def test_an_srun_task_becomes_a_rank_of_torchruns_world():
@@ -89,7 +103,6 @@ def srun(tmp_path, tasks: int, *args: str) -> list[subprocess.Popen]:
             for r in range(tasks)]
 
 
-@pytest.mark.long  # submitit's two-task job forms its world from SLURM's variables every run
 @pytest.mark.slow
 def test_srun_tasks_form_one_world_equal_to_one_device(tmp_path):
     args = [*UNEVEN, "micro_batch=8", "accum=2"]
