@@ -99,12 +99,12 @@ def test_multirun_jobs_launch_their_own_workers(tmp_path):
     assert_same_weights(final_weights(jobs[0]), final_weights(jobs[1]))
 
 
-@pytest.mark.long  # torchrun's variables form the world in test_scheduler's runs, every run
+@pytest.mark.long  # torchrun's world trains on 2 ranks in test_recipes, every run; this one compares its weights
 def test_torchrun_world_equals_the_spawned_one(tmp_path):
     args = [*UNEVEN, "trainer.epochs=1", "micro_batch=8", "accum=2"]
     spawned, _ = train_here(tmp_path, "spawned", *args, "devices=2")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "accutrain", *args, "devices=auto", f"hydra.run.dir={tmp_path / 'torchrun'}"],
+                           "-m", "accutrain", *args, f"hydra.run.dir={tmp_path / 'torchrun'}"],  # devices: the default
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "× devices 2" in proc.stderr and "launching" not in proc.stderr  # the world came from torchrun

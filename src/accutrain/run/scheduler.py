@@ -94,11 +94,6 @@ def adopt_scheduler_world(env: MutableMapping[str, str] = os.environ) -> Optiona
     return None
 
 
-def scheduler_started(env: MutableMapping[str, str] = os.environ) -> bool:
-    """This process is a task of a world adopted from a scheduler (not torchrun's)."""
-    return bool(env.get(SOURCE))
-
-
 def launcher_name(env: MutableMapping[str, str] = os.environ) -> str:
     """Who started the processes of a world given by RANK/WORLD_SIZE: torchrun, or the scheduler adopted above."""
     return {"SLURM": "SLURM (srun)", "submitit": "submitit"}.get(env.get(SOURCE, ""), "torchrun")
