@@ -97,12 +97,14 @@ def skipped(command: str) -> str:
     return next((why for start, why in SKIPPED.items() if command.startswith(start)), "")
 
 
-def shortened(argv: list[str], index: int) -> list[str]:
-    """A training command with small sizes and its own run (or sweep) directory appended, unless it gives them."""
+def shortened(argv: list[str], index: int, written: set[str]) -> list[str]:
+    """A training command with small sizes and its own run (or sweep) directory appended, unless it gives them — or,
+    for `resume=auto` in a run directory an earlier command wrote (`written`), the sizes that run recorded."""
     if argv[0] != "accutrain":
         return argv
     keys = {a.split("=", 1)[0].lstrip("+") for a in argv[1:]}
-    chosen = keys & {"experiment", "debug"}
+    continued = "resume=auto" in argv and any(f"hydra.run.dir={d}" in argv for d in written)
+    chosen = keys & {"experiment", "debug"} or continued
     extra = list(SHORT)
     if not chosen and "model" not in keys:
         extra += SMALL_MODEL
@@ -167,11 +169,12 @@ def test_every_readme_command_works_as_printed(tmp_path, sweeps):
     make_image_folder(home / "pets")  # `data.root=~/pets`
     work = tmp_path / "work"
     shutil.copytree(ROOT / "examples", work / "examples")  # the pages' files, where they say they are
-    runs, expected = [], []
+    runs, expected, written = [], [], set()
     for index, (page, (command, code, error)) in enumerate(paged_commands()):
         if skipped(command) or command in [c for c, _, _ in expected] or manual_sweep(page, command) != sweeps:
             continue
-        argv = shortened(words(command, home), index)
+        argv = shortened(words(command, home), index, written)
+        written |= {a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")}
         assert argv[0] in ("accutrain", "accutrain-check", "accutrain-report"), command
         named = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=outputs/")), None)
         if named:  # the checkpoint the README names: the one `accutrain trainer.checkpoint_every=200` wrote

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from accutrain import __version__
-from accutrain.cli import hydra_internals
+from accutrain.cli import hydra_internals, recorded
 from accutrain.config.messages import explain, override_key, refuse_unknown_keys
 from accutrain.config.train import GROUP_NODES, config_dir, register_schemas
 from accutrain.config.validate import validate
@@ -239,7 +239,7 @@ def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str =
         print(f"{prog} {__version__}")
         sys.exit(0)
     args = parse(argv)
-    pins: list[str] = []
+    pins: list[str] = recorded.carry(args, prog if decide else None) if run else []  # resume=auto: the run's own
     if args.config_path is not None or args.experimental_rerun is not None or args.hydra_help:
         return pins  # Hydra's own business
     with hydra_instance(args) as hydra:
