@@ -163,7 +163,7 @@ def test_export_loads_back_with_from_pretrained_and_checkpoints_have_plain_keys(
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, bare(ids).logits)
     assert "tokens/s" in log and "ppl" in log and "val_ppl" in log and "259 tokens in the vocabulary" in log
-    assert re.search(r"done: .* samples seen, [\d.]+ s \(\d+ samples/s, \d+ tokens/s\)", log)
+    assert re.search(r"done: .* samples seen in [\d.]+ s: \d+ samples/s \(\d+ tokens/s\) overall", log)
     evals = read_metrics(run_dir)[1]
     assert evals[-1]["val_ppl"] == pytest.approx(torch.tensor(evals[-1]["val_loss"]).exp().item(), rel=1e-6)
     assert all("tokens_per_s" in r and "ppl" in r for r in read_metrics(run_dir)[0])
