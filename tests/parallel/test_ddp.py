@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from accutrain.errors import UserError
-from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, run_cli, start, train_here, train_run, wait_for_steps)
+from conftest import (ONE_THREAD, RUN, TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error,
+                      assert_same_weights, cli_command, final_weights, read_metrics, run_cli, start, train_here,
+                      train_run, wait_for_steps)
 
 # 117 samples = 3 windows of 32 + one of 21. With devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0: in the
 # last micro-step rank 0 has 5 samples and rank 1 none, and the all-reduce must neither hang nor be biased.
@@ -224,3 +225,21 @@ def test_a_rank_killed_outright_ends_the_run_in_one_line_naming_it(tmp_path):
     assert "resume=auto continues from its newest checkpoint" in errors[0]
     record = json.loads((run_dir / "status.json").read_text())
     assert record["state"] == "failed" and "rank 1 of 2 was killed by SIGKILL" in record["error"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_once_after_a_checkpoint(slow):
+    """Ctrl-C in a terminal signals every process of the command's group. The ranks have a session of their own, as
+    torchrun's do: the command passes the signal on once, so the ranks stop together after the step and checkpoint —
+    none takes the terminal's copy for a second Ctrl-C and leaves the others in a collective (a traceback)."""
+    tmp_path = slow
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen([*cli_command(), *RUN, "+model.delay=0.05", "devices=2",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+    wait_for_steps(tmp_path / "run", 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the command, its fork server, not the ranks
+    assert proc.wait(timeout=300) == 128 + signal.SIGINT
+    output = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in output and "stopped by SIGINT after optimizer step" in output, output
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "interrupted"

@@ -147,6 +147,8 @@ class _Job:
 
 def _worker(local_rank: int, job: _Job) -> None:
     die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
+    if hasattr(os, "setsid"):  # a session of its own, as torchrun's workers: the terminal's Ctrl-C reaches the command
+        os.setsid()  # alone, which passes it on once (spawn) — not twice, which a rank would take for a second Ctrl-C
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
         os.environ.clear()
         os.environ.update(job.environ)
