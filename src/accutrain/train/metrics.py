@@ -113,5 +113,6 @@ def summary_lines(steps: int, samples: int, session_samples: int, seconds: float
         results.append(best)
     if peak_mb:
         results.append(f"peak memory {peak_mb:.0f} MiB" + (f" (the most of {ranks} ranks)" if ranks > 1 else ""))
-    return [f"done: {steps} optimizer steps, {samples} samples seen in {seconds:.1f} s: {speed}",
+    done = f"{steps} optimizer step{'' if steps == 1 else 's'}, {samples} samples seen in {seconds:.1f} s"
+    return [f"done: {done}: {speed}",
             *([", ".join(results)] if results else [])]
