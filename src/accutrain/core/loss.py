@@ -110,8 +110,9 @@ class SummedLoss:
 
     @property
     def monitor(self) -> str:
-        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss."""
-        return "val_loss" if self.elements else "val_acc"
+        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss (per token, or with
+        loss.normalize=sequences per sequence)."""
+        return "val_loss" if self.elements or self.per_sequence else "val_acc"
 
     def eval_sums(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """float64 [plain summed loss (no smoothing), correct predictions, terms] of one evaluation batch."""
