@@ -133,6 +133,25 @@ def test_every_block_is_commands_a_recipe_or_something_to_read():
     assert not unknown_blocks()
 
 
+def table_cells(row: str) -> list[str]:
+    """The cells of a table row (`|` inside code spans and `\\|` do not separate), with what lies outside the outer
+    bars as cells too: a row must begin and end with one."""
+    parts = re.split(r"(?<!\\)\|", re.sub(r"`[^`]*`", "code", row.strip()))
+    return parts[1:] if parts[-1].strip() else parts[1:-1]
+
+
+def test_the_pages_tables_are_whole():
+    """Every row of every table of the README and docs/*.md has its header's number of cells (a row that swallowed
+    the paragraph after it has one more)."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for table in re.findall(r"(?:^\|.*\n)+", text, flags=re.M):
+            header, *rows = table.splitlines()
+            broken += [f"{page.name}: {row}" for row in rows if len(table_cells(row)) != len(table_cells(header))]
+    assert not broken, "\n".join(broken)
+
+
 def anchor(heading: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces as -."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
