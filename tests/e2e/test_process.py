@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from conftest import WAIT_S
+
 INTERRUPTED_WHILE_IMPORTING = """
 import os, signal, sys, time
 sys.argv[0] = {script!r}
@@ -24,7 +26,7 @@ import accutrain.cli
 
 def test_ctrl_c_while_the_command_imports_is_one_line():
     proc = subprocess.run([sys.executable, "-c", INTERRUPTED_WHILE_IMPORTING.format(script="/usr/bin/accutrain")],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=WAIT_S)
     assert proc.returncode == 128 + signal.SIGINT
     assert proc.stderr == "accutrain: interrupted while starting: nothing was trained\n"
 
@@ -34,5 +36,5 @@ def test_ctrl_c_while_the_command_imports_is_one_line():
 def test_the_command_exits_without_collecting_what_it_leaves(script, says):
     """gc.freeze at exit, in the commands only (a program importing accutrain keeps Python's own exit)."""
     proc = subprocess.run([sys.executable, "-c", EXIT.format(script=script)], capture_output=True, text=True,
-                          timeout=60, check=True)
+                          timeout=WAIT_S, check=True)
     assert proc.stdout.strip() == says

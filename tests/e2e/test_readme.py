@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ONE_THREAD
+from conftest import COMMAND_S, ONE_THREAD
 from docs_blocks import ROOT, all_commands, paged_commands, unknown_blocks, words
 
 README = (ROOT / "README.md").read_text()
@@ -204,7 +204,8 @@ def test_every_readme_command_works_as_printed(tmp_path, sweeps):
     (tmp_path / "commands.json").write_text(json.dumps([argv for argv, _ in runs]))
     env = {**os.environ, **ONE_THREAD, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "commands.json"), str(tmp_path / "out.json")],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=work, env=env, capture_output=True, text=True,
+                          timeout=2 * COMMAND_S)  # every command of the pages, one after the other
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads((tmp_path / "out.json").read_text())
     for (command, code, error), result in zip(expected, results):

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from accutrain.run.scheduler import PORTS
-from conftest import ONE_THREAD, SLOW_MODEL, cli_command
+from conftest import COMMAND_S, ONE_THREAD, SLOW_MODEL, WAIT_S, cli_command
 from docs_blocks import ROOT, all_commands, recipes
 
 DATA = ["trainer.progress=false", "data=synthetic", "data.size=64", "data.val_size=16", "data.image_size=8",
@@ -131,7 +131,7 @@ def finished(run_dir: Path, cluster: Cluster, state: str = "completed") -> dict:
 
 
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, cluster: Cluster) -> None:
-    deadline = time.monotonic() + 300  # a loaded 2-core machine starts 2 ranks slowly; the wait ends at the step
+    deadline = time.monotonic() + WAIT_S  # a loaded 2-core machine starts 2 ranks slowly; the wait ends at the step
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = run_dir / "metrics.jsonl"
         if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
@@ -163,7 +163,7 @@ def run_sbatch(cluster: Cluster, script: str) -> None:
     time.sleep(0.1)
     for pid in map(int, cluster.tasks.read_text().split()):  # SLURM signals the step's tasks
         os.kill(pid, sbatch_signal(script))
-    assert proc.wait(timeout=300) is not None
+    assert proc.wait(timeout=COMMAND_S) is not None
     status = finished(run_dir, cluster, "interrupted")
     stopped = re.match(rf"stopped by {sbatch_signal(script).name} after optimizer step (\d+); checkpoint ",
                        status["error"])
@@ -171,7 +171,7 @@ def run_sbatch(cluster: Cluster, script: str) -> None:
     assert cluster.requeued.read_text().split() == [job], cluster.log()[-5000:]
 
     again = cluster.start(["bash", str(path)], {**batch, "SLURM_RESTART_COUNT": "1"}, SLOW)
-    assert again.wait(timeout=300) == 0, cluster.log()[-5000:]
+    assert again.wait(timeout=COMMAND_S) == 0, cluster.log()[-5000:]
     finished(run_dir, cluster)
     assert f"resumed from {run_dir / 'checkpoints'}" in (run_dir / "train.log").read_text()
     assert cluster.requeued.read_text().split() == [job]  # not again once completed
@@ -183,7 +183,7 @@ def run_skypilot(cluster: Cluster, task: str) -> None:
     assert spec["workdir"] == "." and spec["setup"] == "pip install .", spec  # test_packaging builds it from there
     sky = dict(SKYPILOT_NODE_IPS="127.0.0.1", SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_RANK="0",
                SKYPILOT_NUM_GPUS_PER_NODE=str(PROCESSES))
-    assert cluster.start(["bash", "-c", spec["run"]], sky, SHORT).wait(timeout=300) == 0, cluster.log()[-5000:]
+    assert cluster.start(["bash", "-c", spec["run"]], sky, SHORT).wait(timeout=COMMAND_S) == 0, cluster.log()[-5000:]
     finished(Path(re.search(r"hydra\.run\.dir=(\S+)", spec["run"]).group(1)), cluster)
 
 
@@ -196,7 +196,7 @@ def run_trainjob(cluster: Cluster, job: str) -> None:
     pet = dict(PET_NNODES="1", PET_NPROC_PER_NODE=str(PROCESSES), PET_NODE_RANK="0", PET_MASTER_ADDR="127.0.0.1",
                PET_MASTER_PORT=str(free_port()))
     command = [str(word) for word in trainer["command"]]
-    assert cluster.start(command, pet, SHORT).wait(timeout=300) == 0, cluster.log()[-5000:]
+    assert cluster.start(command, pet, SHORT).wait(timeout=COMMAND_S) == 0, cluster.log()[-5000:]
     finished(Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1]), cluster)
 
 
@@ -228,7 +228,7 @@ def test_torchrun_on_one_machine_trains_on_two_ranks_without_devices(tmp_path):
     assert command == "torchrun --standalone --nproc_per_node=2 -m accutrain debug=fast"
     cluster = Cluster(tmp_path)
     proc = cluster.start([*command.split(), "hydra.run.dir=run"], {}, [])
-    assert proc.wait(timeout=300) == 0, cluster.log()[-5000:]
+    assert proc.wait(timeout=COMMAND_S) == 0, cluster.log()[-5000:]
     assert "effective batch 64 = micro_batch 32 × accum 1 × devices 2" in cluster.log()
     assert "launching" not in cluster.log()  # torchrun's world: accutrain spawned nothing
     finished(cluster.work / "run", cluster)
