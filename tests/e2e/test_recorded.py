@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from conftest import (RUN, assert_identical, assert_one_line_error, final_weights, killed_at_step, read_metrics,
-                      run_cli, train_here)
+from conftest import (COMMAND_S, RUN, assert_identical, assert_one_line_error, final_weights, killed_at_step,
+                      read_metrics, run_cli, train_here)
 
 
 @pytest.mark.slow
@@ -71,3 +71,19 @@ def test_a_change_that_keeps_the_windows_resumes(finished_run):
     """micro_batch=16 accum=2: the same effective batch, cut otherwise; nothing is left to train after 2 steps."""
     proc = run_cli("resume=auto", f"hydra.run.dir={finished_run}", "micro_batch=16", "accum=2", cwd=finished_run.parent)
     assert "changed on this command line: micro_batch=16 (was micro_batch=8), accum=2 (was accum=4)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_run_of_a_torchrun_world_is_resumed_on_as_many_ranks(tmp_path):
+    """The effective batch a run trained with is its status.json's plan: under torchrun, devices left at 1 meant the
+    world's 2 ranks. One process is refused with the remedy; devices=2 resumes it."""
+    run_dir = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                    "accutrain", "debug=fast", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                   capture_output=True, text=True, check=True, timeout=COMMAND_S)
+    alone = run_cli("resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
+    assert alone.returncode == 2
+    assert_one_line_error(alone, "was trained with effective batch 64 (micro_batch 32 × accum 1 × devices 2); this "
+                                 "command makes it 32", "devices=2")
+    spawned = run_cli("resume=auto", f"hydra.run.dir={run_dir}", "devices=2", "trainer.max_steps=3", cwd=tmp_path)
+    assert "resumed from" in spawned.stderr and read_metrics(run_dir)[0][-1]["step"] == 3

@@ -15,6 +15,7 @@ import yaml
 
 from accutrain.config.messages import override_key
 from accutrain.errors import UserError
+from accutrain.store.status import read_status
 
 # Never carried over: what this command decides (resume, the run directory, Hydra's own settings), and
 # trainer.overwrite=true, which would delete the very run being resumed.
@@ -49,8 +50,8 @@ def select(config: Any, key: str) -> Any:
 
 
 class Recorded:
-    """What Hydra recorded of the run in `run_dir`: its task overrides, the option of each config group, the
-    composed config (unresolved)."""
+    """What Hydra recorded of the run in `run_dir` — its task overrides, the option of each config group, the
+    composed config (unresolved) — and the plan its status.json holds (the effective batch it trained with)."""
 
     def __init__(self, run_dir: Path, subdir: str):
         record = run_dir / subdir
@@ -58,6 +59,7 @@ class Recorded:
         self.overrides: list[str] = [str(o) for o in overrides] if isinstance(overrides, list) else []
         self.choices: dict[str, Any] = select(read_yaml(record / "hydra.yaml"), "hydra.runtime.choices") or {}
         self.config: dict[str, Any] = read_yaml(record / "config.yaml") or {}
+        self.plan: dict[str, Any] = (read_status(run_dir) or {}).get("plan") or {}
         self.found = (record / "overrides.yaml").is_file()
 
     def value(self, key: str) -> Any:
@@ -93,15 +95,19 @@ def refuse_what_the_checkpoints_cannot_take(run_dir: Path, record: Recorded, giv
             record.value("micro_tokens"):
         return
     recorded = {key: record.value(key) for key in BATCH}
-    now = {**recorded, **{key: value_of(last[key]) for key in BATCH if key in last}}
-    before, after = effective_batch(recorded), effective_batch(now)
-    if before is not None and after is not None and before != after:
+    now = effective_batch({**recorded, **{key: value_of(last[key]) for key in BATCH if key in last}})
+    plan = record.plan  # what the run trained with (a world torchrun started counts its ranks as devices)
+    before = plan.get("effective") if isinstance(plan.get("effective"), int) else effective_batch(recorded)
+    if before is not None and now is not None and before != now:
         changed = " ".join(last[key] for key in BATCH if key in last)
-        micro, devices = recorded["micro_batch"], recorded["devices"]
-        raise UserError(f"resume=auto: {run_dir} was trained with effective batch {before} (micro_batch {micro} × "
-                        f"accum {before // (micro * devices)} × devices {devices}); {changed} makes it {after}: "
-                        f"resuming needs the same effective batch (its windows): keep it with global_batch={before} "
-                        f"and accum derived, drop {changed} to continue the run as it was started, {remedy}")
+        split = " × ".join(f"{key} {plan[key] if key in plan else recorded[key] or 1}" for key in
+                           ("micro_batch", "accum", "devices"))
+        undo = (f"drop {changed}" if changed else f"start it on the run's {plan.get('devices', '?')} devices (devices="
+                f"{plan.get('devices', '?')}, or the same torchrun or srun)")
+        raise UserError(f"resume=auto: {run_dir} was trained with effective batch {before} ({split}); "
+                        f"{changed or 'this command'} makes it {now}: resuming needs the same effective batch (its "
+                        f"windows): keep it with global_batch={before} and accum derived, {undo} to continue the run "
+                        f"as it was started, {remedy}")
 
 
 def carry(args: Namespace, prog: Optional[str]) -> list[str]:
