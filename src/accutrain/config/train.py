@@ -21,7 +21,8 @@ from accutrain.config.data_schemas import (DigitsData, HFData, ImageFolderData, 
 from accutrain.config.loss_schemas import BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
-                                      CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig, MLPModel,
+                                      CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
+                                      MLPModel,
                                       ScalingConfig, SGDOptim, TorchvisionModel)
 from accutrain.core.options import LastWindow
 

@@ -184,7 +184,7 @@ def blocks(rows: slice, candidates: int) -> list[slice]:
 
 def loss_and_grad(loss: WindowObjective, everyone: torch.Tensor, keys: torch.Tensor, wrt: list[torch.Tensor]
                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every sample's loss over the whole window, and ∂(their sum)/∂`wrt` — one block of anchors at a time: the sum
+    """Every sample's loss over the whole window, and ∂(their sum)/∂`wrt`, one block of anchors at a time: the sum
     is a sum over samples, so its gradient is the sum of the blocks' (each block's similarities freed before the
     next). The blocks depend on the window's size alone, never on its split."""
     per_sample = torch.zeros(len(everyone), dtype=everyone.dtype, device=everyone.device)

@@ -181,7 +181,8 @@ class SummedLoss(OnePass):
 
     @property
     def monitor(self) -> str:
-        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss."""
+        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss (per token, or with
+        loss.normalize=sequences per sequence)."""
         return "val_loss" if self.elements or self.per_sequence else "val_acc"
 
     def per_element(self, batch: Batch) -> bool:

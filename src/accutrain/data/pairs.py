@@ -108,10 +108,11 @@ def pair_datasets(splits: list[Tokenized], tok: Any, max_length: int, padding: s
     collate = PadCollate({f"{role}.input_ids": pad for role in roles}, default=0,
                          length=max_length if padding == "max_length" else None)
     negatives = len(roles) - 2
-    return Datasets(splits[0], splits[1], 2, (max_length,), description + (f", {negatives} negative{'s' if negatives > 1 else ''} per anchor"
-                                                                            if negatives else ""),
-                    test=splits[2] if len(splits) > 2 else None,
-                    extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id, max_length=max_length),
+    if negatives:
+        description += f", {negatives} negative{'s' if negatives > 1 else ''} per anchor"
+    return Datasets(splits[0], splits[1], 2, (max_length,), description, test=splits[2] if len(splits) > 2 else None,
+                    extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                               max_length=max_length),
                     collate=collate, tokenizer=tok, classes="")  # no classes: num_classes is unused
 
 
