@@ -44,6 +44,8 @@ SKIPPED = {
     "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in docs/memory.md)",
     "accutrain model=hf_causal_lm model.name_or_path=gpt2": "downloads GPT-2: needs the internet",
     "accutrain model=hf_seq_cls model.name_or_path=distilbert": "downloads DistilBERT: needs the internet",
+    "accutrain model=hf_encoder model.name_or_path=BAAI": "downloads an embedding model: needs the internet (and a "
+                                                          "GPU); tests/train/test_embeddings.py trains a tiny one",
     "tensorboard --logdir": "a web server: tests/report/test_trackers.py reads the event files with TensorBoard's "
                             "reader",
     "mlflow ui": "a web server: tests/report/test_trackers.py reads the runs back with MlflowClient",

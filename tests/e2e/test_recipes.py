@@ -110,8 +110,10 @@ class Cluster:
                     "SIM_TASKS": str(self.tasks), "SIM_REQUEUED": str(self.requeued), "SIM_APPEND": json.dumps(SHORT)}
 
     def text(self, recipe: str) -> str:
-        """The recipe with its shared storage here."""
-        return recipe.replace("/checkpoints", str(self.storage))
+        """The recipe with its shared storage here, and its fixed rendezvous port one free now (the port the recipe
+        prints is a cluster's; here other tests, and other commands on this machine, may hold it)."""
+        return recipe.replace("/checkpoints", str(self.storage)).replace(":29500", f":{free_port()}").replace(
+            "--master-port 29500", f"--master-port {free_port()}")
 
     def start(self, argv: list[str], extra: dict[str, str], append: list[str]) -> subprocess.Popen:
         log = open(self.work.parent / "recipe.log", "a")

@@ -115,6 +115,17 @@ class ContrastiveLoss:
               ) -> torch.Tensor:
         return embed(model, batch, cast)
 
+    def pieces(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+               ) -> list[tuple[slice, Callable[[], torch.Tensor]]]:
+        """Pass 2's forwards of a micro-batch: a text sample's roles one at a time (only one role's activations alive
+        at once: an anchor, positive and negative cost what one text does), image views together."""
+        if not isinstance(batch.inputs, Mapping):
+            return [(slice(None), lambda: embed(model, batch, cast))]
+        n = len(batch.target)
+        return [(slice(j, j + 1), lambda inputs=inputs: one_per_input(
+                    model(**{k: cast(v) for k, v in inputs.items()}), n)[:, None])
+                for j, (_, inputs) in enumerate(roles(batch.inputs))]
+
     def keys(self, batch: Batch) -> torch.Tensor:
         """Each candidate's key (N, R − 1): the data's text keys for text pairs, the class for image views. A copy:
         kept for the whole window, the batch's own target (allocated beside its inputs) would keep the heap from

@@ -39,6 +39,11 @@ class WindowObjective(Protocol):
     def embed(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The micro-batch's embeddings, one row per sample (N, …)."""
 
+    def pieces(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor]
+               ) -> list[tuple[slice, Callable[[], torch.Tensor]]]:
+        """embed() in pieces for pass 2: (the columns of the rows a piece embeds, its forward), run in embed's order
+        (the same random draws) and each backpropagated before the next runs."""
+
     def keys(self, batch: Batch) -> torch.Tensor:
         """What the loss knows of each sample's candidates beside their embeddings (N, …; int64): gathered with
         them."""
@@ -159,18 +164,19 @@ def accumulate_window_loss(
 
     replay, offset = iter(states.items), 0
     for batch, synchronises in micro_steps(window.again()):  # pass 2: the same walk, read anew
-        with nullcontext() if synchronises else no_sync(), (
-                stand_in_guard(model, device) if batch.stand_in else nullcontext()):
-            batch = on(batch, device)
-            if not batch.stand_in:
-                set_rng(next(replay), device)  # the k-th real micro-batch of pass 2 is pass 1's k-th
-            with precision.autocast():
-                out = wide(loss.embed(model, batch, precision.inputs))
-            n = len(batch)
-            rows = cache[offset: offset + n] if n else torch.zeros_like(out)
-            precision.backward((out * rows).sum() + (touch if synchronises else 0.0),
-                               0.0 if batch.stand_in else 1.0)
-            offset += n
+        batch, n = on(batch, device), len(batch)
+        if not batch.stand_in:
+            set_rng(next(replay), device)  # the k-th real micro-batch of pass 2 is pass 1's k-th
+        pieces = loss.pieces(model, batch, precision.inputs)  # (a text triple's roles: one at a time)
+        for k, (columns, forward) in enumerate(pieces):
+            last = synchronises and k == len(pieces) - 1  # the window's one gradient reduction
+            with nullcontext() if last else no_sync(), (
+                    stand_in_guard(model, device) if batch.stand_in else nullcontext()):
+                with precision.autocast():
+                    out = wide(forward())
+                rows = cache[offset: offset + n, columns] if n else torch.zeros_like(out)
+                precision.backward((out * rows).sum() + (touch if last else 0.0), 0.0 if batch.stand_in else 1.0)
+        offset += n
     set_rng(after, device)
     return per_sample.detach()[mine].double().sum()
 
