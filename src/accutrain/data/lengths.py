@@ -20,8 +20,8 @@ def token_lengths(datasets: Datasets, batches: BatchFormat, micro_tokens: Option
     train, collate = datasets.train, batches.collate
     first = train[0]
     if isinstance(collate, PadCollate) and isinstance(first, dict):
-        lengths = torch.tensor([max((len(v) for v in train[i].values() if v.dim() == 1), default=1)
-                                for i in range(len(train))])
+        lengths = train.lengths() if hasattr(train, "lengths") else torch.tensor(  # without reading every item
+            [max((len(v) for v in train[i].values() if v.dim() == 1), default=1) for i in range(len(train))])
         tokens = TokenLengths(lengths, collate.length, micro_tokens)
     elif len(datasets.sample_shape) == 1 and isinstance(first, (tuple, list)) and not first[0].is_floating_point():
         tokens = TokenLengths(torch.full((len(train),), datasets.sample_shape[0]), datasets.sample_shape[0],

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from accutrain.core.batches import PadCollate
 from accutrain.data.datasets import Datasets
 from accutrain.data.packing import describe, pack, packing_mode, packing_name
+from accutrain.data.records import Tally, Where, check_truncation, kept as kept_samples, log_tallies
 from accutrain.data.tokenizer import load_tokenizer, pad_id
 from accutrain.errors import UserError
 from accutrain.seeding import generator
@@ -34,6 +35,10 @@ class Tokenized(Dataset):
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def lengths(self) -> torch.Tensor:
+        """Every item's length in tokens."""
+        return torch.tensor([len(item["input_ids"]) for item in self.items], dtype=torch.int64)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.items[i]
@@ -168,21 +173,28 @@ def as_items(samples: list[tuple], classes: Optional[list[int]], max_length: int
 
 def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: str, max_length: int, packing: Any,
               padding: str, text_field: str, prompt_field: str, response_field: str, label_field: Optional[str],
-              seed: int, ignore_index: int = -100, test: Optional[str] = None) -> Datasets:
+              seed: int, ignore_index: int = -100, test: Optional[str] = None, truncation: str = "drop") -> Datasets:
     """data=text: a training file and a held-out file (or `val_fraction` of the training file, drawn by the seed),
     and a test file when `test` is given, tokenized; language modelling, or sequence classification when the records
-    carry `label_field`."""
+    carry `label_field`. Every record is accounted for (data/records.py)."""
     check_lengths(max_length, padding)
+    check_truncation(truncation)
     packing = packing_mode(packing)
     records = read_records(train, "data.train")
+    tallies = [Tally("data.train", train, read=len(records))]
+    parts = [(records, list(range(len(records))), tallies[0])]
     if val is not None:
         held_out = read_records(val, "data.val")
+        tallies.append(Tally("data.val", val, read=len(held_out)))
+        parts.append((held_out, list(range(len(held_out))), tallies[-1]))
     else:
         kept, out = hold_out(len(records), val_fraction, seed)
-        records, held_out = [records[i] for i in kept], [records[i] for i in out]
-    parts = [(records, train), (held_out, val or train)]
+        parts = [([records[i] for i in kept], kept, tallies[0]), ([records[i] for i in out], out, tallies[0])]
+        tallies[0].held_out = len(out)
     if test is not None:
-        parts.append((read_records(test, "data.test"), test))
+        tested = read_records(test, "data.test")
+        tallies.append(Tally("data.test", test, read=len(tested)))
+        parts.append((tested, list(range(len(tested))), tallies[-1]))
     lm = not (label_field and label_field in records[0])
     if packing and not lm:
         raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry "
@@ -190,14 +202,22 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
     tok = load_tokenizer(tokenizer)
     fields = dict(text=text_field, prompt=prompt_field, response=response_field)
     splits, names = [], None
-    for part, where in parts:
+    for part, rows, tally in parts:
+        where = tally.source
         samples = encode(part, tok, fields, lm, ignore_index, where)
         classes = None
         if not lm:
             classes, names = class_index(part, label_field, names, where)
-        elif packing:
-            samples = pack(samples, max_length, packing, ignore_index)
+            tally.truncated += sum(len(ids) > max_length for ids, _ in samples)
+        else:
+            samples = kept_samples(samples, rows, None if packing == "concat" else max_length, ignore_index, lm, tally)
+            if not samples:
+                raise UserError(f"{tally.key}={tally.source}: no record is left with a trained token at "
+                                f"data.max_length={max_length}: raise data.max_length")
+            if packing:
+                samples = pack(samples, max_length, packing, ignore_index)
         splits.append(as_items(samples, classes, max_length))
+    log_tallies(tallies, [Where(t.source) for t in tallies], truncation, max_length, lm)
     task = "language modelling" + describe(packing) if lm else f"{len(names)} classes"
     return tokenized_datasets(splits, tok, None if lm else names, max_length, padding, ignore_index,
                               f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})")

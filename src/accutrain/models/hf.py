@@ -74,6 +74,14 @@ class HFAdapter(nn.Module):
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
+    @property
+    def max_positions(self) -> Optional[tuple[str, int]]:
+        """(the config's key, its value): the positions the model has (n_positions, max_position_embeddings)."""
+        for key in ("n_positions", "max_position_embeddings"):
+            if isinstance(value := getattr(self.model.config, key, None), int):
+                return key, value
+        return None
+
     def save_pretrained(self, directory: Path, merged: bool = False) -> None:
         """save_pretrained of the model; an adapted one writes its adapter as PEFT saves it, or (`merged`) the
         base model with the adapter merged into its weights (which leaves this model merged)."""
