@@ -5,8 +5,9 @@ one with tool calls, one with generation markers and accutrain's own; a template
 line."""
 import pytest
 
-from accutrain.data.chat import chat_template, encode_conversation
+from accutrain.data.chat import encode_conversation
 from accutrain.data.messages import messages_of
+from accutrain.data.template import chat_template
 from accutrain.data.text import common_prefix
 from accutrain.data.tokenizer import ByteTokenizer, fast_byte_tokenizer
 from accutrain.errors import UserError

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from accutrain.data.chat import chat_template, encode_conversation, render
+from accutrain.data.chat import encode_conversation
+from accutrain.data.template import chat_template, render_bytes as render
 from accutrain.data.hf_data import hf_data
 from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
@@ -193,3 +194,28 @@ def test_bad_records_and_too_long_samples_are_refused_before_the_run_directory(t
     assert proc.returncode == 2
     assert_one_line_error(proc, "data.max_length=1024 is more than the model's 256 positions (n_positions)")
     assert not (tmp_path / "bad").exists() and not (tmp_path / "long").exists()
+
+
+def test_items_are_read_from_arrow_files_and_pack_as_data_texts(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    held = {}
+    for words in (2, 60):  # short records and records 30 times as long: the same bookkeeping in memory
+        records = [{"text": " ".join(f"w{i % 7}" for _ in range(words)) + f" {i}"} for i in range(400)]
+        path = write_jsonl(tmp_path / f"lm{words}.jsonl", records)
+        data = hf_data(str(path), **{**common(tmp_path), "max_length": 512})
+        arrays = [v for v in vars(data.train).values() if isinstance(v, np.ndarray)]
+        held[words] = sum(a.nbytes for a in arrays), len(pickle.dumps(data.train))
+        assert held[words][0] <= 16 * len(data.train)  # a row and a length per record, never its tokens
+        assert data.train.table.cache_files  # the tokens stay in the memory-mapped files Dataset.map wrote
+    assert held[2][0] == held[60][0] and held[60][1] < held[2][1] + 1000
+    path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    for packing in (True, "concat"):
+        text = text_data(str(path), None, 0.25, "bytes", 40, packing, "longest", "text", "prompt", "response",
+                         "label", 0)
+        data = hf_data(str(path), **{**common(tmp_path), "max_length": 40, "packing": packing})
+        assert [{k: v.tolist() for k, v in data.train[i].items()} for i in range(len(data.train))] == \
+            [{k: v.tolist() for k, v in text.train[i].items()} for i in range(len(text.train))], packing
+        assert data.train.lengths().tolist() == [len(text.train[i]["input_ids"]) for i in range(len(text.train))]

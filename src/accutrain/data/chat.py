@@ -14,112 +14,10 @@ trained tokens. A template that fails it is refused in one line naming the recor
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from accutrain.data.tokenizer import ByteTokenizer
+from accutrain.data.template import Span, Template
 from accutrain.errors import UserError
-
-GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-Span = tuple[int, int]  # characters [start, end) of the rendering
-
-
-def render_bytes(messages: list[dict], add_generation_prompt: bool) -> str:
-    """The byte tokenizer's template (tokenizer.CHAT_TEMPLATE, saved with its export), rendered: `<|role|>`, a
-    newline, the content and a newline per message."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-    return text + ("<|assistant|>\n" if add_generation_prompt else "")
-
-
-render = render_bytes  # the name other modules and the tests know it by
-
-
-def template_source(value: str) -> str:
-    """data.chat_template: a file holding a Jinja chat template, or the template itself."""
-    path = Path(value).expanduser()
-    if "{{" in value or "{%" in value:
-        return value
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"data.chat_template={value}: expected a file holding a Jinja chat template, or the template "
-                        f"itself ({getattr(e, 'strerror', None) or e})") from None
-
-
-@dataclass(frozen=True)
-class Template:
-    """How a tokenizer renders a conversation and tokenizes the rendering, and how its turns are found."""
-
-    tok: Any
-    name: str  # for messages: whose template it is
-    markers: bool  # {% generation %} blocks mark the assistant's tokens
-
-    @property
-    def builtin(self) -> bool:
-        return isinstance(self.tok, ByteTokenizer)
-
-    def render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
-        """The conversation as the template renders it; a template that refuses it is one line."""
-        if self.builtin:
-            return render_bytes(messages, add_generation_prompt)
-        try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # jinja2's TemplateError (raise_exception), a template's TypeError …
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"{where}: {self.name} cannot render it ({line[:200]})") from None
-
-    def tokens(self, text: str, where: str) -> tuple[list[int], list[Span]]:
-        """The rendering's token ids (as apply_chat_template tokenizes it: no special tokens added) and each token's
-        characters."""
-        if self.builtin:
-            ids, offsets = [], []
-            for i, char in enumerate(text):
-                encoded = char.encode("utf-8")
-                ids += encoded
-                offsets += [(i, i + 1)] * len(encoded)
-            return ids, offsets
-        try:
-            encoded = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        except NotImplementedError:
-            raise UserError(f"{where}: {self.name} belongs to a slow (Python) tokenizer, which cannot map characters "
-                            "to tokens; chat records need a fast one (tokenizer.json)") from None
-        return list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
-
-    def marked(self, messages: list[dict], count: int, where: str) -> list[bool]:
-        """The template's generation markers: which of the rendering's `count` tokens are the assistant's."""
-        out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                           return_assistant_tokens_mask=True)
-        mask = [bool(m) for m in out["assistant_masks"]]
-        if len(mask) != count:
-            raise UserError(f"{where}: {self.name}'s generation markers cover {len(mask)} tokens, its rendering has "
-                            f"{count}")
-        return mask
-
-    @property
-    def eos_text(self) -> Optional[str]:
-        """The end-of-turn token's text (the tokenizer's EOS), as a rendering holds it."""
-        return None if self.builtin else getattr(self.tok, "eos_token", None)
-
-
-def chat_template(tok: Any, tokenizer: str, chat_template: Optional[str] = None) -> Template:
-    """The template chat records are rendered with: data.chat_template (set on the tokenizer, so that an export
-    keeps it) or the tokenizer's own; the byte tokenizer's built-in one."""
-    if chat_template is not None:
-        tok.chat_template = template_source(chat_template)
-        name = f"the chat template data.chat_template={chat_template if len(chat_template) < 60 else '…'}"
-    elif isinstance(tok, ByteTokenizer):
-        return Template(tok, "the byte tokenizer's built-in chat template", markers=False)
-    elif not getattr(tok, "chat_template", None):
-        raise UserError(f"data.tokenizer={tokenizer} has no chat template: chat records (data.columns.messages) "
-                        "need a tokenizer that has one (an instruct model's), data.chat_template=<a Jinja file>, or "
-                        "data.tokenizer=bytes")
-    else:
-        name = f"the chat template of data.tokenizer={tokenizer}"
-    source = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
-    return Template(tok, name, markers=bool(GENERATION.search(source)))
-
 
 def find(text: str, content: str, cursor: int) -> Optional[Span]:
     """Where the rendering holds `content` from `cursor` on: as it is, stripped (templates trim), or — reasoning
@@ -199,39 +97,28 @@ def unlabelled(template: Template, where: str, turn: int, how: str) -> UserError
                      "{% generation %} markers (data.chat_template=<a Jinja file>)")
 
 
-def covered(offsets: Sequence[Span], spans: Sequence[Span]) -> list[bool]:
-    """Which tokens (their characters `offsets`) overlap one of `spans`."""
-    mask = [False] * len(offsets)
-    for begin, end in spans:
-        for t, (s, e) in enumerate(offsets):
-            if s >= end:
-                break
-            if e > begin or (s == e and s >= begin):
-                mask[t] = True
-    return mask
+def inside(spans: Sequence[Span], begin: int, end: int) -> bool:
+    """Whether the characters [begin, end) lie inside one of `spans`."""
+    return any(s <= begin and end <= e for s, e in spans)
 
 
-def verify(template: Template, messages: list[dict], text: str, offsets: Sequence[Span], mask: Sequence[bool],
+def verify(template: Template, messages: list[dict], text: str, trained: Sequence[Span],
            contents: list[Optional[Span]], where: str) -> None:
-    """Each assistant turn's content, tool calls and (the final turn's) reasoning lie inside the trained tokens;
-    else one line."""
-    trained = [False] * (len(text) + 1)
-    for (s, e), m in zip(offsets, mask):
-        if m:
-            trained[s:e] = [True] * (e - s)
+    """Each assistant turn's content, tool calls and (the final turn's) reasoning lie inside the `trained`
+    characters; else one line."""
     cursor = 0
     for i, m in enumerate(messages):
         span = contents[i]
         cursor = span[1] if span is not None else cursor
         if m["role"] != "assistant":
             continue
-        if m["content"] and (span is None or not all(trained[span[0] : span[1]])):
+        if m["content"] and (span is None or not inside(trained, *span)):
             raise unlabelled(template, where, i, "without its content inside the tokens marked as the assistant's"
                              if template.markers else "without its content")
         for call in m.get("tool_calls", ()):
             name = call["function"]["name"]
             at = text.find(name, cursor)
-            if at < 0 or not all(trained[at : at + len(name)]):
+            if at < 0 or not inside(trained, at, at + len(name)):
                 raise UserError(f"{where}: {template.name} does not render assistant turn {i}'s tool call "
                                 f"{name!r} as the assistant's tokens: it does not support tool calls; use a "
                                 "template that does (data.chat_template=<a Jinja file>), or drop tool_calls")
@@ -258,13 +145,16 @@ def encode_conversation(template: Template, messages: list[dict], ignore_index: 
     """(token ids, labels) of one normalised conversation (data.messages): labels are the ids on the assistant's
     tokens — the EOS after a final assistant turn too (appended when the template does not end the turn with it)."""
     text = template.render(messages, False, where)
-    ids, offsets = template.tokens(text, where)
+    tokens = template.tokens(text, where)
     starts, contents = locate(template, messages, text, prefixes=not template.markers)
     if template.markers:
-        mask = template.marked(messages, len(ids), where)
+        mask = template.marked(messages, len(tokens.ids), where)
+        trained = tokens.spans(mask)
     else:
-        mask = covered(offsets, turn_spans(template, messages, text, starts, contents, where))
-    verify(template, messages, text, offsets, mask, contents, where)
+        trained = turn_spans(template, messages, text, starts, contents, where)
+        mask = tokens.covering(trained)
+    verify(template, messages, text, trained, contents, where)
+    ids = tokens.ids
     labels = [t if m else ignore_index for t, m in zip(ids, mask)]
     eos = template.tok.eos_token_id
     if messages[-1]["role"] == "assistant" and eos is not None and eos not in [ids[t] for t in final_turn(mask)]:
@@ -274,11 +164,12 @@ def encode_conversation(template: Template, messages: list[dict], ignore_index: 
 
 def encode_chat(conversations: list[Any], template: Template, ignore_index: int, where: Callable[[int], str],
                 rows: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """(token ids, labels) per conversation; `where(row)` names the record `rows[k]` in messages."""
+    """(token ids, labels) per conversation; `where(row)` names the record `rows[k]` in a message."""
     from accutrain.data.messages import messages_of
+    from accutrain.data.records import Named
 
     out = []
     for raw, row in zip(conversations, rows):
-        here = where(row)
+        here = Named(where, row)  # the file is read for a record's line only when a message names it
         out.append(encode_conversation(template, messages_of(raw, here), ignore_index, here))
     return out

@@ -21,9 +21,10 @@ from typing import Any, Optional
 import numpy as np
 
 from accutrain.data.arrow_items import ArrowItems
-from accutrain.data.chat import Template, chat_template, encode_chat
+from accutrain.data.chat import encode_chat
 from accutrain.data.datasets import Datasets
 from accutrain.data.packing import describe, packing_mode, packing_name
+from accutrain.data.template import Template, chat_template
 from accutrain.data.records import Tally, Where, check_truncation, log_tallies, trained
 from accutrain.data.text import HELD_OUT_STREAM, check_lengths, encode, tokenized_datasets
 from accutrain.data.tokenizer import fast_byte_tokenizer, load_tokenizer
@@ -33,6 +34,8 @@ from accutrain.seeding import generator
 log = logging.getLogger("accutrain")
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+JSON_CHUNK = 1 << 20  # datasets' JSON reader parses a file this many bytes at a time (its default, 10 MiB, holds
+# the parse of 10 MiB of records in memory at once: that, not the number of records, is data=hf's peak at load)
 ROLES = ("text", "prompt", "response", "messages", "label")
 NEEDS = {"chat": ("messages",), "classes": ("text", "label"), "text": ("text",), "pairs": ("prompt", "response")}
 
@@ -59,14 +62,15 @@ def load(datasets: Any, source: str, split: str, cache_dir: Optional[str], key: 
             found = found[split] if isinstance(found, datasets.DatasetDict) else found
             return found.to_iterable_dataset() if streaming else found
         if path.suffix in BUILDERS and path.is_file():
+            options = dict(chunksize=JSON_CHUNK) if BUILDERS[path.suffix] == "json" else {}
             try:
                 return datasets.load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train",
-                                             cache_dir=cache_dir, streaming=streaming)
+                                             cache_dir=cache_dir, streaming=streaming, **options)
             except ValueError:  # datasets' JSON reader fails on a blank line when a column's types vary
                 if path.suffix == ".csv" or (plain := without_blank_lines(datasets, path, cache_dir)) is None:
                     raise
             return datasets.load_dataset("json", data_files=str(plain), split="train", cache_dir=cache_dir,
-                                         streaming=streaming)
+                                         streaming=streaming, **options)
         if path.exists() or source.startswith((".", "/", "~")) or path.suffix in BUILDERS:
             raise UserError(f"{key}={source}: expected a .json, .jsonl, .csv or .parquet file, a directory written "
                             "by save_to_disk, or a dataset name" + ("" if path.exists() else " (no such file)"))

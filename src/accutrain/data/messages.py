@@ -22,31 +22,32 @@ ROLES = ("system", "user", "assistant", "tool")
 NOT_TEXT = ("image", "image_url", "input_image", "audio", "input_audio", "video", "video_url", "file")
 
 
-def text_of(content: Any, where: str) -> str:
-    """A message's content as text: a string as it is, a list of parts as its text parts joined."""
+def text_of(content: Any, where: str, n: int) -> str:
+    """Message `n`'s content as text: a string as it is, a list of parts as its text parts joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, (list, tuple)):
         texts = []
-        for n, part in enumerate(content):
+        for p, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
             if kind in NOT_TEXT:
-                raise UserError(f"{where} has a content part of type {kind!r} (part {n}): only text is supported "
-                                "(accutrain trains language models on text); drop the part or the record")
+                raise UserError(f"{where}, message {n} has a content part of type {kind!r} (part {p}): only text is "
+                                "supported (accutrain trains language models on text); drop the part or the record")
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise UserError(f"{where}: content part {n} is {json.dumps(part, default=str)[:80]}: expected "
-                                '{"type": "text", "text": "…"}')
+                raise UserError(f"{where}, message {n}: content part {p} is {json.dumps(part, default=str)[:80]}: "
+                                'expected {"type": "text", "text": "…"}')
             texts.append(part["text"])
         return "".join(texts)
-    raise UserError(f"{where}: content is {json.dumps(content, default=str)[:80]}: expected a string or a list of "
-                    '{"type": "text", "text": "…"} parts')
+    raise UserError(f"{where}, message {n}: content is {json.dumps(content, default=str)[:80]}: expected a string or "
+                    'a list of {"type": "text", "text": "…"} parts')
 
 
-def tool_call(call: Any, where: str) -> dict[str, Any]:
-    """One tool call as chat templates take it: {"type": "function", "function": {"name", "arguments": {…}}}."""
+def tool_call(call: Any, where: str, n: int) -> dict[str, Any]:
+    """One tool call of message `n` as chat templates take it: {"type": "function", "function": {"name",
+    "arguments": {…}}}."""
     function = call.get("function") if isinstance(call, Mapping) and call.get("function") is not None else call
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise UserError(f"{where}: tool call {json.dumps(call, default=str)[:80]}: expected "
+        raise UserError(f"{where}, message {n}: tool call {json.dumps(call, default=str)[:80]}: expected "
                         '{"type": "function", "function": {"name": "…", "arguments": {…}}}')
     arguments = function.get("arguments")
     if isinstance(arguments, str):  # the OpenAI format: the arguments as a JSON string
@@ -61,33 +62,35 @@ def tool_call(call: Any, where: str) -> dict[str, Any]:
 
 def message(raw: Any, n: int, where: str) -> dict[str, Any]:
     """Message `n` of a record, normalised (see the module's docstring)."""
-    here = f"{where}, message {n}"
     if not isinstance(raw, Mapping) or "role" not in raw:
-        raise UserError(f"{here}: expected a {{\"role\": …, \"content\": …}} message, got "
+        raise UserError(f"{where}, message {n}: expected a {{\"role\": …, \"content\": …}} message, got "
                         f"{json.dumps(raw, default=str)[:80]}")
     role = raw["role"]
     if role not in ROLES:
-        raise UserError(f"{here} has role {json.dumps(role, default=str)}: expected one of {', '.join(ROLES)}")
+        raise UserError(f"{where}, message {n} has role {json.dumps(role, default=str)}: expected one of "
+                        f"{', '.join(ROLES)}")
     out = {k: v for k, v in raw.items() if v is not None}
     calls = raw.get("tool_calls")
     if calls:
         if role != "assistant":
-            raise UserError(f"{here}: a {role} message carries tool_calls; only an assistant's turn calls tools")
+            raise UserError(f"{where}, message {n}: a {role} message carries tool_calls; only an assistant's turn "
+                            "calls tools")
         if not isinstance(calls, (list, tuple)):
-            raise UserError(f"{here}: tool_calls is {json.dumps(calls, default=str)[:80]}: expected a list")
-        out["tool_calls"] = [tool_call(call, here) for call in calls]
+            raise UserError(f"{where}, message {n}: tool_calls is {json.dumps(calls, default=str)[:80]}: expected "
+                            "a list")
+        out["tool_calls"] = [tool_call(call, where, n) for call in calls]
     else:
         out.pop("tool_calls", None)
     content = raw.get("content")
     if content is None:
         if not calls:
-            raise UserError(f"{here} ({role}) has content null: expected its text (null is for an assistant turn "
-                            "that only calls tools)")
+            raise UserError(f"{where}, message {n} ({role}) has content null: expected its text (null is for an "
+                            "assistant turn that only calls tools)")
         content = ""
-    out["content"] = text_of(content, here)
+    out["content"] = text_of(content, where, n)
     if role == "assistant" and "reasoning_content" in out and not isinstance(out["reasoning_content"], str):
-        raise UserError(f"{here}: reasoning_content is {json.dumps(out['reasoning_content'], default=str)[:80]}: "
-                        "expected a string")
+        raise UserError(f"{where}, message {n}: reasoning_content is "
+                        f"{json.dumps(out['reasoning_content'], default=str)[:80]}: expected a string")
     return out
 
 

@@ -60,6 +60,19 @@ class Where:
         return {r: f"{self.source}:{found[r]}" if r in found else f"row {r} of {self.source}" for r in wanted}
 
 
+class Named:
+    """A record's name (Where's) for a message, worked out only when a message is written with it."""
+
+    def __init__(self, where: Where, row: int) -> None:
+        self.where, self.row = where, row
+
+    def __str__(self) -> str:
+        return self.where(self.row)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
 def csv_starts(f: Iterable[str]) -> Iterable[int]:
     """The line each data row of a CSV file begins on (the header is line 1; a quoted field may span lines)."""
     reader = csv.reader(f)
