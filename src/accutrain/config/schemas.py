@@ -85,6 +85,7 @@ class HFModel(ModelConfig):
     adapter: Optional[str] = None  # lora (the peft extra): train adapters, the model frozen; null: train it all
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     quantize: Optional[str] = None  # 4bit: QLoRA (CUDA + bitsandbytes; with adapter=lora and pretrained weights)
+    neftune_alpha: Optional[float] = None  # NEFTune: noise on the input embeddings in training, drawn per sample
 
 
 @dataclass

@@ -24,6 +24,9 @@ from accutrain.core.token_budget import TokenLengths
 from accutrain.errors import UserError
 
 
+SAMPLE_STREAM = 4  # keyed_seed(seed, SAMPLE_STREAM, epoch, sample): a sample's own draws in the model (NEFTune)
+
+
 @dataclass(frozen=True)
 class Window:
     """One optimizer step's samples, as this rank sees them."""
@@ -173,11 +176,14 @@ class WindowData(Dataset):
     each sample is mixed with its partner, which this loader reads too (accutrain.core.mixing). An empty micro-batch (a
     rank whose share of a short window ran out: it still takes part in the window's gradient all-reduce) becomes a
     stand-in — the first two samples, marked so that they add nothing (many models cannot take zero samples) — or,
-    with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples."""
+    with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples. With `sample_seeds` (the run's
+    seed, for a model that draws per sample: NEFTune) each mapping item carries its own `sample_seed`, from (seed,
+    epoch, sample): what it draws is the same whichever micro-batch, rank or resumed run reads it."""
 
     def __init__(self, dataset: Dataset, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True,
-                 mixer: Optional[Mixer] = None) -> None:
+                 mixer: Optional[Mixer] = None, sample_seeds: Optional[int] = None) -> None:
         self.dataset, self.format, self.stand_in, self.mixer = dataset, batch_format, stand_in, mixer
+        self.sample_seeds = sample_seeds
         self._empty: Optional[Batch] = None
         # A dataset of in-memory tensors (accutrain.data.InMemory) gathers a micro-batch in one indexing, where
         # torch's own collate would stack the same rows item by item.
@@ -214,6 +220,9 @@ class WindowData(Dataset):
             return micro_batch.window, Batch(*self.gather(micro_batch))
         epoch = micro_batch.window.epoch
         items = [self.item(epoch, i) for i in micro_batch]
+        if self.sample_seeds is not None:
+            items = [{**item, "sample_seed": torch.tensor(seeding.keyed_seed(self.sample_seeds, SAMPLE_STREAM, epoch,
+                                                                             i))} for item, i in zip(items, micro_batch)]
         if self.mixer is not None and micro_batch.mixes is not None:
             items = [self.mixer.mixed(item, self.item(epoch, mix.partner) if mix.lam < 1.0 else None, mix)
                      for item, mix in zip(items, micro_batch.mixes)]
@@ -247,12 +256,12 @@ class InProcessLoader:
 
 
 def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
-                  generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True
-                  ) -> DataLoader | InProcessLoader:
+                  generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True,
+                  sample_seeds: Optional[int] = None) -> DataLoader | InProcessLoader:
     """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order
-    (mixed as the sampler's mixer draws them) — read in this process, or by torch's DataLoader in `num_workers`
-    worker processes (seeded from `generator`)."""
-    windows = WindowData(dataset, batch_format, stand_in, sampler.mixer)
+    (mixed as the sampler's mixer draws them; each sample with its seed, given `sample_seeds`) — read in this
+    process, or by torch's DataLoader in `num_workers` worker processes (seeded from `generator`)."""
+    windows = WindowData(dataset, batch_format, stand_in, sampler.mixer, sample_seeds)
     if num_workers == 0:
         return InProcessLoader(windows, sampler, pin_memory)
     return DataLoader(windows, batch_sampler=sampler, collate_fn=_collated, num_workers=num_workers,

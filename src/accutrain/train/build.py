@@ -119,7 +119,8 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     workers = data.loader_workers(cfg.loader.num_workers, datasets, world.size)
     loader = window_loader(datasets.train, sampler, workers, pin,
                            generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
-                           stand_in=not synced and not strategy.lockstep)
+                           stand_in=not synced and not strategy.lockstep,
+                           sample_seeds=cfg.seed if getattr(model, "sample_seeds", False) else None)  # NEFTune
     val_loader, test_loader = (None if split is None else strategy.eval_batches(
         data.eval_loader(Subset(split, range(world.rank, len(split), world.size)),  # no padding: exact
                          trainer.eval_batch or eval_rows(plan, tokens), workers, pin, cfg.seed, collate=batches),
