@@ -1,5 +1,5 @@
-"""Chat records — `{"messages": [{"role": …, "content": …}, …]}` — as (token ids, labels): the conversation rendered
-with the tokenizer's chat template, the labels `ignore_index` everywhere but on the assistant's tokens.
+"""Chat records — `{"messages": [{"role": …, "content": …}, …]}` — as (token ids, labels): the conversation
+rendered with the tokenizer's chat template, the labels `ignore_index` everywhere but on the assistant's tokens.
 
 Each assistant turn's tokens are found in the rendering of the whole conversation, whatever the template does:
 - a template with generation markers (`{% generation %}`) says which tokens are the assistant's
