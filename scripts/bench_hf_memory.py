@@ -75,8 +75,8 @@ def main() -> None:
                                root / f"run-{n}-{r}")
                 peaks[n].append(peak_mib(argv))
                 print(f"round {r + 1}: {n:,} records: peak RSS {peaks[n][-1]:.0f} MiB", flush=True)
-        print("\ncommand (per size):", shlex.join(command(Path("chat.jsonl"), Path("val.jsonl"), Path("cache"),
-                                                               Path("run"))))
+        shown = ["accutrain", *command(Path("chat.jsonl"), Path("val.jsonl"), Path("cache"), Path("run"))[1:]]
+        print("\ncommand (per size):", shlex.join(shown))
         print(f"machine: {os.cpu_count()} cores; peak RSS of the whole accutrain process, median of "
               f"{args.rounds} cold-cache runs")
         first = statistics.median(peaks[args.sizes[0]])

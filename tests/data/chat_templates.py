@@ -17,7 +17,8 @@ QWEN25 = r"""
     {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+           or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}
@@ -57,7 +58,9 @@ QWEN25 = r"""
 # conversation up to an earlier turn nor (for that turn) up to the last one renders as a prefix of the whole.
 QWEN3_LIKE = r"""
 {%- set ns = namespace(last_query=-1) %}
-{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}
+{%- endfor %}
 {%- for message in messages %}
     {%- if message.role in ('system', 'user') %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
@@ -74,7 +77,8 @@ QWEN3_LIKE = r"""
             {{- '<|im_start|>assistant\n' + content }}
         {%- endif %}
         {%- for tool_call in message.tool_calls or [] %}
-            {{- '\n<tool_call>\n{"name": "' + tool_call.function.name + '", "arguments": ' + (tool_call.function.arguments | tojson) + '}\n</tool_call>' }}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.function.name + '", "arguments": ' }}
+            {{- (tool_call.function.arguments | tojson) + '}\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\n' }}
     {%- elif message.role == 'tool' %}
@@ -97,7 +101,9 @@ LAST_TURN_BLOCK = r"""
 # History turns rendered without their reasoning: only assistant turns after the last user message show it.
 HISTORY_WITHOUT_REASONING = r"""
 {%- set ns = namespace(last_user=-1) %}
-{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+{%- endfor %}
 {%- for message in messages %}
     {{- '<|im_start|>' + message.role + '\n' }}
     {%- if message.role == 'assistant' and loop.index0 > ns.last_user and message.reasoning_content %}

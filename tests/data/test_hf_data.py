@@ -219,3 +219,23 @@ def test_items_are_read_from_arrow_files_and_pack_as_data_texts(tmp_path):
         assert [{k: v.tolist() for k, v in data.train[i].items()} for i in range(len(data.train))] == \
             [{k: v.tolist() for k, v in text.train[i].items()} for i in range(len(text.train))], packing
         assert data.train.lengths().tolist() == [len(text.train[i]["input_ids"]) for i in range(len(text.train))]
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_the_records_truncation_leaves_trained(tmp_path):
+    long = [{"messages": [{"role": "system", "content": "Context. " * 12}, {"role": "user", "content": f"{i}?"},
+                          {"role": "assistant", "content": f"{i}!"}]} for i in range(10)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", [r for pair in zip(CHATS, long) for r in pair])
+    run, log = train_here(tmp_path, "run", "model=hf_causal_lm", "+model.config.model_type=gpt2",
+                          "+model.config.n_layer=1", "+model.config.n_head=2", "+model.config.n_embd=16",
+                          "+model.config.n_positions=64", "data=hf", f"data.train={path}", "data.max_length=64",
+                          "data.val_fraction=0.25",
+                          f"data.cache_dir={tmp_path / 'cache'}", "micro_batch=2", "accum=2", "trainer.epochs=2",
+                          "trainer.progress=false")
+    assert "20 records read, 5 held out, 20 truncated at data.max_length=64, 10 left with no trained token and " \
+           "dropped" in log
+    import re
+
+    kept = int(re.search(r"(\d+) training samples", log).group(1))
+    assert 5 <= kept < 15  # of the 15 records not held out, those that keep a trained token
+    assert all(r["elements"] > 0 for r in read_metrics(run)[0])

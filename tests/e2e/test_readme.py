@@ -102,6 +102,28 @@ def chats(n: int = 40) -> str:
     return "".join(json.dumps({"messages": conversation(i % 13, i % 7)}) + "\n" for i in range(n))
 
 
+def reasoning() -> str:
+    """`data.train=reasoning.jsonl` for docs/finetune.md: two questions per conversation, each answer with its
+    reasoning."""
+    records = []
+    for a, b in ((12, 7), (3, 4), (25, 16), (9, 9), (41, 2), (8, 30)):
+        total = a + b
+        records.append({"messages": [
+            {"role": "system", "content": "Think, then answer briefly."},
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "reasoning_content": f"{a} + {b}: {a} + {b - 1} is {total - 1}, one more is {total}.",
+             "content": f"{total}."},
+            {"role": "user", "content": "And twice that?"},
+            {"role": "assistant", "reasoning_content": f"2 × {total} = {total} + {total} = {2 * total}.",
+             "content": f"{2 * total}."}]})
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def jinja_block(page: Path) -> str:
+    """The first ```jinja block of a page (docs/finetune.md's reasoning.jinja), as printed."""
+    return next(body for language, body in fenced_blocks(page.read_text()) if language == "jinja")
+
+
 # Runs every command in one Python process (each as its console script would: accutrain.cli.main.main with sys.argv),
 # so that the imports are paid once; records each one's exit code and what it printed on stderr.
 DRIVER = """
@@ -258,6 +280,8 @@ def test_every_readme_command_works_as_printed(tmp_path, sweeps):
     (work / "mylosses.py").write_text(MYLOSSES)
     (work / "pairs.jsonl").write_text(pairs())
     (work / "chat.jsonl").write_text(chats())
+    (work / "reasoning.jsonl").write_text(reasoning())
+    (work / "reasoning.jinja").write_text(jinja_block(ROOT / "docs" / "finetune.md"))
     runs, expected = [], []
     for index, (page, (command, code, error)) in enumerate(paged_commands()):
         if skipped(command) or command in [c for c, _, _ in expected] or manual_sweep(page, command) != sweeps:

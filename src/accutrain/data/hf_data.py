@@ -67,7 +67,8 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
         kept, out = hold_out(len(parts[0][0]), val_fraction, seed)
         splits[0:1] = [(parts[0][0], kept, parts[0][1]), (parts[0][0], out, parts[0][1])]
         parts[0][1].held_out = len(out)
-    items = [kept_items(table, rows, tally, r, kind) for table, rows, tally in splits]
+    items = [kept_items(table, rows, tally, r, kind, split)
+             for (table, rows, tally), split in zip(splits, ("training", "held-out", "test"))]
     log_tallies([t for _, t, _ in parts], [w for _, _, w in parts], truncation, max_length, lm=kind != "classes")
     names = [str(name) for name in classes] if classes is not None else None
     return tokenized_datasets(items, tok, names, max_length, padding, ignore_index, description(r, kind, template,

@@ -140,14 +140,15 @@ def tokenized_split(datasets: Any, key: str, name: str, part: Any, kind: str, ar
     return table, Tally(key, name, read=len(part), truncated=int(np.sum(column(table, "truncated")))), where
 
 
-def kept_items(table: Any, rows: np.ndarray, tally: Tally, r: Reading, kind: str) -> ArrowItems:
-    """The records `rows` of a tokenized table as items, those left with no trained token counted and left out."""
+def kept_items(table: Any, rows: np.ndarray, tally: Tally, r: Reading, kind: str, split: str) -> ArrowItems:
+    """The records `rows` of a tokenized table — the `split` ones (training, held-out, test) — as items, those left
+    with no trained token counted and left out."""
     if kind != "classes":
         untrained = column(table, "trained")[rows] == 0
         tally.untrained += column(table, "row")[rows[untrained]].tolist()
         rows = rows[~untrained]
     if not len(rows):
-        raise UserError(f"{tally.key}={tally.source}: no record is left with a trained token at "
+        raise UserError(f"{tally.key}={tally.source}: none of its {split} records is left with a trained token at "
                         f"data.max_length={r.max_length}: raise data.max_length")
     return ArrowItems(table, rows, r.max_length, r.packing, r.ignore_index, classes=kind == "classes")
 

@@ -118,7 +118,8 @@ def stream_data(datasets: Any, r: Reading) -> Datasets:
     parts = [tokenized_split(datasets, key, name, load(datasets, name, part_split, r.cache_dir, key), kind, arguments)
              for key, name, part_split in (("data.val", r.val, r.val_split), ("data.test", r.test, r.test_split))
              if name is not None]
-    held = [kept_items(table, np.arange(len(table)), tally, r, kind) for table, tally, _ in parts]
+    held = [kept_items(table, np.arange(len(table)), tally, r, kind, split)
+            for (table, tally, _), split in zip(parts, ("held-out", "test"))]
     log_tallies([t for _, t, _ in parts], [w for _, _, w in parts], r.truncation, r.max_length, lm=True)
     made = tokenized_datasets([Tokenized(head), *held], tok, None, r.max_length, r.padding, r.ignore_index,
                               description(r, kind, template, None).replace(" (", " (a stream, shuffle buffer "

@@ -202,7 +202,7 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
     tok = load_tokenizer(tokenizer)
     fields = dict(text=text_field, prompt=prompt_field, response=response_field)
     splits, names = [], None
-    for part, rows, tally in parts:
+    for (part, rows, tally), split in zip(parts, ("training", "held-out", "test")):
         where = tally.source
         samples = encode(part, tok, fields, lm, ignore_index, where)
         classes = None
@@ -212,8 +212,8 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
         else:
             samples = kept_samples(samples, rows, None if packing == "concat" else max_length, ignore_index, lm, tally)
             if not samples:
-                raise UserError(f"{tally.key}={tally.source}: no record is left with a trained token at "
-                                f"data.max_length={max_length}: raise data.max_length")
+                raise UserError(f"{tally.key}={tally.source}: none of its {split} records is left with a trained "
+                                f"token at data.max_length={max_length}: raise data.max_length")
             if packing:
                 samples = pack(samples, max_length, packing, ignore_index)
         splits.append(as_items(samples, classes, max_length))
