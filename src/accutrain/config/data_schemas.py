@@ -72,6 +72,9 @@ class TextData(DataConfig):
     prompt_field: str = "prompt"  # with response_field: the prompt is masked out of the loss
     response_field: str = "response"
     label_field: Optional[str] = "label"  # records carrying it make a sequence classification set
+    anchor_field: str = "anchor"  # records with an anchor and a positive are pairs (loss=contrastive)
+    positive_field: str = "positive"
+    negative_field: Any = "negative"  # a field of one text or a list of texts (mined negatives), or several fields
     seed: int = II("seed")
     ignore_index: int = II("loss.ignore_index")
     test: Optional[str] = None  # a test file, evaluated at the end (null: no test stage)
@@ -87,6 +90,9 @@ class HFColumns:
     response: str = "response"
     messages: str = "messages"  # chat records: [{role, content}, …], the loss on the assistant's tokens
     label: str = "label"
+    anchor: str = "anchor"  # with positive: text pairs (and negatives: triples) for loss=contrastive
+    positive: str = "positive"
+    negative: Any = "negative"  # a column of one text or a list of texts (mined negatives), or a list of columns
 
 
 @dataclass

@@ -51,12 +51,9 @@ def random_views(c: TrainConfig) -> bool:
 
 TABLE: tuple[Entry, ...] = (
     Entry("loss=contrastive", lambda c: c.loss.target == CONTRASTIVE, (
-        Row(lambda c: c.augment.views != 2, lambda c: f"augment.views={c.augment.views}",
-            "loss=contrastive needs pairs: set augment.views=2 (two random views of each sample, with a random "
-            "augment=, e.g. augment=crop_flip)"),
         Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
-        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
-        Row(lambda c: c.micro_tokens is not None, lambda c: f"micro_tokens={c.micro_tokens}", "give micro_batch=N"),
+        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N (or micro_tokens=N for text "
+            "pairs)"),
         Row(lambda c: c.trainer.accum_dtype is not None or c.trainer.offload_grads,
             "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
         Row(lambda c: c.augment.mixup_alpha > 0 or c.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",

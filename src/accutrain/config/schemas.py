@@ -98,6 +98,13 @@ class HFSeqClsModel(HFModel):
     _target_: str = "accutrain.models.hf.seq_cls"
 
 
+@dataclass
+class HFEncoderModel(HFModel):
+    _target_: str = "accutrain.models.hf_encoder.encoder"
+    pooling: str = "mean"  # mean | cls | last (decoder embedders): the token states pooled into one embedding
+    normalize: bool = True  # L2-normalised embeddings (cosine similarity), as sentence-transformers' Normalize
+
+
 # --- optim/ and sched/ --------------------------------------------------------------------------------
 @dataclass
 class OptimConfig:

@@ -141,18 +141,20 @@ class BatchPlan:
                     f"{self.train_size} training samples: {self.total_steps} optimizer steps in total over "
                     f"{self.total_epochs} {epochs} (windows per epoch: "
                     f"{', '.join(str(len(sizes)) for sizes in self._layout[:self.total_epochs])})"]
-        windows = f"{self.train_size // self.effective} windows of {self.effective}"
+        whole = self.train_size // self.effective
+        windows = f"{whole} window{'' if whole == 1 else 's'} of {self.effective}" if whole else ""
         split = (f"micro_batch {self.micro_batch} × accum {self.accum} × devices {self.devices}"
                  if self.micro_tokens is None else
                  f"{self.micro_batch * self.accum} per device × devices {self.devices}, the window cut into "
                  f"micro-batches of at most {self.micro_tokens} padded tokens (micro_tokens; longest samples first)")
-        if self.tail and self.last_window is LastWindow.step:
-            windows += f" + 1 of {self.tail} samples"
+        if self.tail and self.last_window is LastWindow.step:  # the whole epoch in one short window, or a tail
+            windows += f" + 1 of {self.tail} samples" if whole else f"1 window of all {self.tail} samples"
         elif self.tail:
             windows += f"; the last {self.tail} samples of each epoch dropped (trainer.last_window=drop)"
+        steps = "optimizer step" if self.steps_per_epoch == 1 else "optimizer steps"
         return [
             f"effective batch {self.effective} = {split}",
-            f"{self.train_size} training samples: {self.steps_per_epoch} optimizer steps per epoch ({windows}), "
+            f"{self.train_size} training samples: {self.steps_per_epoch} {steps} per epoch ({windows}), "
             f"{self.total_steps} in total over {self.total_epochs} {epochs}",
         ]
 

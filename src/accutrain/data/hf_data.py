@@ -22,8 +22,11 @@ from accutrain.data.hf_records import (ROLES, Reading, class_names, description,
                                        tokenized_split, tokenizer_for)
 from accutrain.data.hf_sources import load, require_datasets
 from accutrain.data.packing import packing_mode, packing_name
+from accutrain.data.pairs import PairColumns, is_pairs, pair_datasets, pair_items
+from accutrain.data.pairs import describe as describe_pairs
 from accutrain.data.records import check_truncation, log_tallies
 from accutrain.data.text import HELD_OUT_STREAM, check_lengths, tokenized_datasets
+from accutrain.data.tokenizer import load_tokenizer
 from accutrain.errors import UserError
 from accutrain.seeding import generator
 
@@ -51,6 +54,9 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
 
         return stream_data(datasets, r)
     source = load(datasets, train, split, cache_dir, "data.train")
+    pair_columns = PairColumns(roles["anchor"], roles["positive"], roles["negative"])
+    if is_pairs(source.column_names, pair_columns):
+        return hf_pairs(datasets, r, source, pair_columns)
     kind = task(source.column_names, roles, train)
     if r.packing and kind == "classes":
         raise UserError(f"data.packing={packing_name(r.packing)} packs language-modelling samples; these records "
@@ -88,3 +94,31 @@ def hold_out(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.nda
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
+def hf_pairs(datasets: Any, r: Reading, source: Any, columns: PairColumns) -> Datasets:
+    """data=hf's records of text pairs (and triples), each split as pair items (data.pairs); a record named by its
+    row in its file."""
+    if r.packing:
+        raise UserError(f"data.packing={packing_name(r.packing)} packs language-modelling samples; {r.train} holds "
+                        "text pairs (data.columns.anchor and .positive): use data.packing=false")
+    rows: list[Optional[list[int]]] = [None, None]  # each split's records' rows in its file (held out: the file's)
+    if r.val is not None:
+        held = load(datasets, r.val, r.val_split, r.cache_dir, "data.val")
+    else:
+        kept, out = (part.tolist() for part in hold_out(len(source), r.val_fraction, r.seed))
+        source, held, rows = source.select(kept), source.select(out), [kept, out]
+    parts = [(source, r.train), (held, r.val or r.train)]
+    if r.test is not None:
+        parts.append((load(datasets, r.test, r.test_split, r.cache_dir, "data.test"), r.test))
+    tok = load_tokenizer(r.tokenizer)
+    splits = []
+    for (part, where), row in zip(parts, rows + [None]):
+        wanted = [c for c in (columns.anchor, columns.positive, *columns.negatives(part.column_names))]
+        missing = [c for c in wanted[:2] if c not in part.column_names]
+        if missing:
+            raise UserError(f"{where} has no column {missing[0]!r} (data.columns); its columns are: "
+                            f"{', '.join(part.column_names)}")
+        records = part.select_columns(wanted).to_list()
+        splits.append(pair_items(records, columns, tok, r.max_length, where,
+                                 (lambda i, row=row: row[i] + 1) if row is not None else None))
+    return pair_datasets(splits, tok, r.max_length, r.padding, f"hf {r.train} ({describe_pairs(columns, wanted)}; "
+                         f"tokenizer {r.tokenizer}, max_length {r.max_length})")

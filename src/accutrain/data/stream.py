@@ -104,6 +104,9 @@ def stream_data(datasets: Any, r: Reading) -> Datasets:
     first = next(iter(load(datasets, r.train, r.split, r.cache_dir, "data.train", streaming=True)), None)
     if first is None:
         raise UserError(f"data.train={r.train} holds no record")
+    if r.roles["anchor"] in first and r.roles["positive"] in first:
+        raise UserError("data.streaming=true reads language-modelling records (text, prompt/response, chat); "
+                        f"{r.train} holds text pairs (data.columns.anchor and .positive): set data.streaming=false")
     kind = task(list(first), r.roles, r.train)
     if kind == "classes":
         raise UserError("data.streaming=true reads language-modelling records (text, prompt/response, chat); "

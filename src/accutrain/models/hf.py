@@ -147,6 +147,9 @@ def causal_lm(num_classes: int, adapter: Optional[str] = None, lora: Optional[di
     return wrapped
 
 
+causal_lm.loss_defaults = HFCausalLM.loss_defaults  # type: ignore[attr-defined]  # read before the model is built
+
+
 def seq_cls(num_classes: int, class_names: Optional[list[str]] = None, adapter: Optional[str] = None,
             lora: Optional[dict] = None, quantize: Optional[str] = None, neftune_alpha: Optional[float] = None,
             **kwargs: Any) -> HFSeqCls:
@@ -183,7 +186,8 @@ def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool =
          eos_token_id: Optional[int] = None, quantize: Optional[str] = None) -> nn.Module:
     """The Hugging Face model as configured: `name_or_path`'s weights (pretrained) or its architecture, or
     `config` (with its model_type) randomly initialised; `config` overrides, dropout set, the data's pad token."""
-    what = "model=hf_causal_lm" if auto_class == "AutoModelForCausalLM" else "model=hf_seq_cls"
+    what = {"AutoModelForCausalLM": "model=hf_causal_lm", "AutoModel": "model=hf_encoder"}.get(auto_class,
+                                                                                             "model=hf_seq_cls")
     transformers = require_transformers(what)
     if dtype not in DTYPES:
         raise UserError(f"model.dtype={dtype} is not valid: expected one of {', '.join(DTYPES)}")

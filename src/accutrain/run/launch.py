@@ -22,7 +22,7 @@ from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, RankDied, UserError
 from accutrain.models.norms import batchnorm_in
-from accutrain.run.scheduler import launcher_name, scheduler_started
+from accutrain.run.scheduler import launcher_name
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
 from accutrain.signals import SIGNALS, StopRequest, die_with_parent, signal_numbers
@@ -45,12 +45,11 @@ def place(cfg: TrainConfig) -> Ranks:
     """The device and the number of ranks the config asks for, checked against the machine. Raises UserError."""
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
-    # A scheduler's tasks (srun, a submitit job) are the devices: `devices` left at its default 1 means them too,
-    # as the multi-node presets cannot set it.
-    from_scheduler = scheduler_started() and cfg.devices == 1
-    if world is not None and cfg.devices not in ("auto", world.size) and not from_scheduler:
+    # A world's processes (torchrun's, a scheduler's tasks) are the devices: `devices` left at its default 1 means
+    # them too, as the recipes and the multi-node presets leave it
+    if world is not None and cfg.devices not in ("auto", 1, world.size):
         raise UserError(f"devices={cfg.devices} but {launcher_name()} started {world.size} processes: leave "
-                        f"devices=auto or set devices={world.size}")
+                        f"devices out (its default, or auto, means the processes started) or set devices={world.size}")
     if world is not None and cfg.micro_batch != "auto" and cfg.batch_schedule is None:
         window_split(cfg.micro_batch, world.size, cfg.accum, cfg.global_batch,  # this world's split, one line
                      cfg.micro_tokens)
@@ -149,6 +148,8 @@ class _Job:
 
 def _worker(local_rank: int, job: _Job) -> None:
     die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
+    if hasattr(os, "setsid"):  # a session of its own, as torchrun's workers: the terminal's Ctrl-C reaches the command
+        os.setsid()  # alone, which passes it on once (spawn) — not twice, which a rank would take for a second Ctrl-C
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
         os.environ.clear()
         os.environ.update(job.environ)

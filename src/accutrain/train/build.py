@@ -55,7 +55,8 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     precision = make_precision(trainer.precision, device)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
-    model, loss, supplied["model"] = build_model(cfg, datasets, batches, world, device, precision, strategy)
+    model, loss, built = build_model(cfg, datasets, batches, world, device, precision, strategy)
+    supplied.update({node: arguments for node, arguments in built.items() if arguments})
     model = strategy.prepare(model)
     losses.attach(loss, model)  # a learnt temperature: a parameter of the model, before the optimizer
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
