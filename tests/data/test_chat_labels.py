@@ -101,13 +101,13 @@ def test_a_template_that_cannot_be_labelled_is_one_line():
     with pytest.raises(UserError) as info:
         encode_conversation(chat_template(bpe_tokenizer(SHOUTING), "shouting"), messages, -100, "chat.jsonl:3")
     assert_one_line_user_error(info.value, "chat.jsonl:3: the chat template of data.tokenizer=shouting renders "
-                               "assistant turn 2", "without its content", "{% generation %} markers",
+                               "message 2 (the assistant's)", "without its content", "{% generation %} markers",
                                "data.chat_template=")
     with_tools = messages_of(conversations(1, reasoning=False, tools=True)[0], "x")
     with pytest.raises(UserError) as info:  # the byte tokenizer's template renders no tool call
         encode_conversation(chat_template(ByteTokenizer(), "bytes"), with_tools, -100, "chat.jsonl:4")
-    assert_one_line_user_error(info.value, "chat.jsonl:4", "does not render assistant turn 8's tool call "
-                               "'get_weather'", "does not support tool calls")
+    assert_one_line_user_error(info.value, "chat.jsonl:4", "does not render message 8's tool call 'get_weather'",
+                               "does not support tool calls")
     reasoning = messages_of(conversations(1)[0], "x")
     with pytest.raises(UserError) as info:  # Qwen2.5's renders no reasoning: it would be lost without a word
         encode_conversation(chat_template(bpe_tokenizer(QWEN25), "qwen25"), reasoning, -100, "chat.jsonl:5")

@@ -85,17 +85,18 @@ class HFModel(ModelConfig):
     adapter: Optional[str] = None  # lora (the peft extra): train adapters, the model frozen; null: train it all
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     quantize: Optional[str] = None  # 4bit: QLoRA (CUDA + bitsandbytes; with adapter=lora and pretrained weights)
-    neftune_alpha: Optional[float] = None  # NEFTune: noise on the input embeddings in training, drawn per sample
 
 
 @dataclass
 class HFCausalLMModel(HFModel):
     _target_: str = "accutrain.models.hf.causal_lm"
+    neftune_alpha: Optional[float] = None  # NEFTune: noise on the input embeddings in training, drawn per sample
 
 
 @dataclass
 class HFSeqClsModel(HFModel):
     _target_: str = "accutrain.models.hf.seq_cls"
+    neftune_alpha: Optional[float] = None  # NEFTune, as hf_causal_lm's
 
 
 @dataclass

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+from accutrain.data.messages import messages_of
+from accutrain.data.records import Named
 from accutrain.data.template import Span, Template
 from accutrain.errors import UserError
+
 
 def find(text: str, content: str, cursor: int) -> Optional[Span]:
     """Where the rendering holds `content` from `cursor` on: as it is, stripped (templates trim), or — reasoning
@@ -92,7 +95,8 @@ def closed(template: Template, text: str, start: int, limit: int) -> int:
 
 
 def unlabelled(template: Template, where: str, turn: int, how: str) -> UserError:
-    return UserError(f"{where}: {template.name} renders assistant turn {turn} (message {turn}) {how}, so its tokens "
+    """The one line for an assistant message (`turn`) whose tokens the template's rendering does not show."""
+    return UserError(f"{where}: {template.name} renders message {turn} (the assistant's) {how}, so its tokens "
                      "cannot be told apart: give a template that renders each turn's content as it is, or one with "
                      "{% generation %} markers (data.chat_template=<a Jinja file>)")
 
@@ -119,7 +123,7 @@ def verify(template: Template, messages: list[dict], text: str, trained: Sequenc
             name = call["function"]["name"]
             at = text.find(name, cursor)
             if at < 0 or not inside(trained, at, at + len(name)):
-                raise UserError(f"{where}: {template.name} does not render assistant turn {i}'s tool call "
+                raise UserError(f"{where}: {template.name} does not render message {i}'s tool call "
                                 f"{name!r} as the assistant's tokens: it does not support tool calls; use a "
                                 "template that does (data.chat_template=<a Jinja file>), or drop tool_calls")
             cursor = at + len(name)
@@ -165,9 +169,6 @@ def encode_conversation(template: Template, messages: list[dict], ignore_index: 
 def encode_chat(conversations: list[Any], template: Template, ignore_index: int, where: Callable[[int], str],
                 rows: Sequence[int]) -> list[tuple[list[int], list[int]]]:
     """(token ids, labels) per conversation; `where(row)` names the record `rows[k]` in a message."""
-    from accutrain.data.messages import messages_of
-    from accutrain.data.records import Named
-
     out = []
     for raw, row in zip(conversations, rows):
         here = Named(where, row)  # the file is read for a record's line only when a message names it
