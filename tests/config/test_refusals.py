@@ -15,6 +15,7 @@ CONTRASTIVE = ["debug=fast", "loss=contrastive", "augment.views=2", "augment=cro
 FSDP = [*TINY, "strategy=fsdp"]
 LM = ["debug=fast", "model=hf_causal_lm", "+model.config.model_type=gpt2"]
 BUDGET = ["micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000"]
+STREAM = ["data=hf", "data.train=chat.jsonl", "data.streaming=true", "data.val=val.jsonl", "trainer.max_steps=10"]
 
 # One command per row of the table: (the row's option, the other key as the message names it) → the overrides.
 ROWS = {
@@ -37,6 +38,12 @@ ROWS = {
     ("strategy=fsdp", "trainer.noise_scale=true"): [*FSDP, "trainer.noise_scale=true", "accum=2"],
     ("strategy=fsdp", "model.adapter=lora"): [*LM, "strategy=fsdp", "model.adapter=lora"],
     ("strategy=fsdp", "trainer.export=weights"): [*FSDP, "trainer.export=weights"],
+    ("data.streaming=true", "trainer.max_steps=null"): [*STREAM, "trainer.max_steps=null"],
+    ("data.streaming=true", "data.val=null"): [*STREAM, "data.val=null"],
+    ("data.streaming=true", "data.packing=True"): [*STREAM, "data.packing=true"],
+    ("data.streaming=true", "micro_batch=auto"): [*STREAM, *BUDGET],
+    ("data.streaming=true", "batch_schedule"): [*STREAM, "batch_schedule=ramp"],
+    ("data.streaming=true", "loader.num_workers=2"): [*STREAM, "loader.num_workers=2"],
     ("model.quantize=4bit", "trainer.device=cpu"):
         [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
 }

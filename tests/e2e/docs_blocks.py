@@ -17,7 +17,7 @@ NOT_RUN = {"benchmarks.md"}
 PAGES = [ROOT / "README.md"] + [page for page in sorted((ROOT / "docs").glob("*.md")) if page.name not in NOT_RUN]
 PLACEHOLDER = re.compile(r"[<>…]|\bDIR\b")
 # Blocks that hold no command: code to read (python), records (json), what a command prints (text).
-NOT_COMMANDS = {"python", "json", "text"}
+NOT_COMMANDS = {"python", "json", "text", "jinja"}  # jinja: a chat template to read (examples/*.jinja)
 # An error line as the console prints it: `accutrain: error: …` before the run, `[hh:mm:ss] error: …` in it.
 ERROR = re.compile(r"(?:^|: |\] )error: ")
 

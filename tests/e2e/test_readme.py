@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import COMMAND_S, ONE_THREAD
-from docs_blocks import ROOT, all_commands, paged_commands, unknown_blocks, words
+from docs_blocks import ROOT, all_commands, fenced_blocks, paged_commands, unknown_blocks, words
 
 README = (ROOT / "README.md").read_text()
 
@@ -140,6 +140,13 @@ def table_cells(row: str) -> list[str]:
     bars as cells too: a row must begin and end with one."""
     parts = re.split(r"(?<!\\)\|", re.sub(r"`[^`]*`", "code", row.strip()))
     return parts[1:] if parts[-1].strip() else parts[1:-1]
+
+
+def test_the_walk_throughs_chat_template_is_the_example_file():
+    """docs/finetune.md prints examples/reasoning.jinja, the template its reasoning example runs with, as it is."""
+    printed = [body for language, body in fenced_blocks((ROOT / "docs" / "finetune.md").read_text())
+               if language == "jinja"]
+    assert printed == [(ROOT / "examples" / "reasoning.jinja").read_text()]
 
 
 def test_the_pages_tables_are_whole():

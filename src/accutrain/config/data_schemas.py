@@ -78,6 +78,7 @@ class TextData(DataConfig):
     seed: int = II("seed")
     ignore_index: int = II("loss.ignore_index")
     test: Optional[str] = None  # a test file, evaluated at the end (null: no test stage)
+    truncation: str = "drop"  # a record max_length leaves with no trained token: drop (listed in train.log) | error
 
 
 @dataclass
@@ -112,6 +113,10 @@ class HFData(DataConfig):
     ignore_index: int = II("loss.ignore_index")
     test: Optional[str] = None  # test records (as train is read), evaluated at the end (null: no test stage)
     test_split: str = "test"  # the split of a dataset name or a DatasetDict directory that test reads
+    truncation: str = "drop"  # a record max_length leaves with no trained token: drop (listed in train.log) | error
+    chat_template: Optional[str] = None  # a Jinja file (or the template) for chat records; null: the tokenizer's
+    streaming: bool = False  # read train as a stream (IterableDataset): windows cut from a seeded shuffle buffer
+    buffer_size: int = 1000  # with streaming: the shuffle buffer's records
 
 
 @dataclass

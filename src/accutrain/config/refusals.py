@@ -97,6 +97,19 @@ TABLE: tuple[Entry, ...] = (
             "needs the whole model in one process; load the run's full checkpoint (strategy.checkpoint=full) into "
             "the model and export that"),
     )),
+    Entry("data.streaming=true", lambda c: bool(c.data.get("streaming")), (
+        Row(lambda c: c.trainer.max_steps is None, "trainer.max_steps=null", "a stream's length is known only at its "
+            "end: give trainer.max_steps=N, the run's length (trainer.epochs then caps the passes over the stream)"),
+        Row(lambda c: c.data.get("val") is None, "data.val=null", "a stream is not split: give the held-out records "
+            "as data.val=<a file or a dataset name>"),
+        Row(lambda c: c.data.get("packing") not in (False, None), lambda c: f"data.packing={c.data.get('packing')}",
+            "packing lays its blocks out over the whole training set; set data.packing=false"),
+        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        Row(lambda c: c.batch_schedule is not None, "batch_schedule", "a schedule is laid out over the training "
+            "set's size; use a fixed batch (micro_batch × accum)"),
+        Row(lambda c: c.loader.num_workers not in ("auto", 0), lambda c: f"loader.num_workers={c.loader.num_workers}",
+            "the stream is read, and its windows cut, in the training process; leave loader.num_workers=auto"),
+    )),
     Entry("model.quantize=4bit", lambda c: c.model.get("quantize") is not None, (
         Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "
             "drop model.quantize to train LoRA on the unquantized weights"),

@@ -273,7 +273,8 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory:
 
 def describe_split_sizes(ds: Datasets) -> str:
     """The log's line: the data, its splits' sizes, its samples' shape and (unless it has none) its classes."""
-    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val"
+    train = "streamed" if ds.stream is not None else len(ds.train)
+    return (f"data {ds.description}: {train} train / {len(ds.val)} val"
             + (f" / {len(ds.test)} test" if ds.test is not None else "") + ", "
             f"{'×'.join(map(str, ds.sample_shape))}" + (f", {ds.num_classes} {ds.classes}" if ds.classes else ""))
 

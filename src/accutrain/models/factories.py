@@ -164,6 +164,7 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         raise UserError(f"the model {cfg['_target_']} raised {one_line(e)} while being built") from e
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
+    check_positions(model, sample_shape)
     if example is None:
         example = Batch(torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
     example = as_batch(example).to(weights_device(model))  # a 4-bit model: on the GPU
@@ -180,6 +181,17 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         check_output(model, shorter, num_classes, name, second=True)
     model.train()
     return model
+
+
+def check_positions(model: nn.Module, sample_shape: tuple[int, ...]) -> None:
+    """Token data's data.max_length (its samples' shape) within the positions the model has, or one line: a longer
+    sample would fail in its position embeddings — at the first long one, an evaluation maybe, hours in."""
+    limit = getattr(model, "max_positions", None)
+    if limit is not None and len(sample_shape) == 1 and sample_shape[0] > limit[1]:
+        key, positions = limit
+        raise UserError(f"data.max_length={sample_shape[0]} is more than the model's {positions} positions "
+                        f"({key}): a longer sample would not fit its position embeddings; set data.max_length ≤ "
+                        f"{positions}")
 
 
 def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, second: bool = False) -> None:
