@@ -1,6 +1,6 @@
 """`model=hf_causal_lm` and `model=hf_seq_cls`: Hugging Face transformers models (the `hf` extra), pretrained or
 randomly initialised from a config, called with the batch's mapping (input_ids, attention_mask) and returning
-their logits in cross_entropy's layout; accutrain computes the summed loss itself (the model's own `loss` is a
+their logits in cross_entropy's layout (a causal LM: its hidden states and head, models/heads.py); accutrain computes the summed loss itself (the model's own `loss` is a
 mean per micro-batch). transformers is imported here only, when one of these models is asked for.
 """
 from __future__ import annotations
@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import adapters, neftune, packed
+from accutrain.models import adapters, heads, neftune, packed
+from accutrain.models import kernels as kernels_module
 from accutrain.models.adapters import first_line
-from accutrain.models.pitfalls import STOCHASTIC
+from accutrain.models.pitfalls import set_dropout_config, set_dropout_modules
 
 log = logging.getLogger("accutrain")
 
@@ -92,19 +93,27 @@ class HFAdapter(nn.Module):
 
 
 class HFCausalLM(HFAdapter):
-    """Logits (batch, vocabulary, length); the labels are the inputs, shifted by the loss (loss.shift_labels).
-    Blocks packed by documents (their `document_ids`) get positions and attention per document (models/packed.py)."""
+    """Logits (batch, vocabulary, length), or (`logits="chunked"`) its last hidden states and head as a
+    core.chunked_ce.Projection, which the loss reduces without the full logits (models/heads.py); the labels are the
+    inputs, shifted by the loss (loss.shift_labels). Blocks packed by documents (their `document_ids`) get positions
+    and attention per document (models/packed.py)."""
 
     loss_defaults = dict(normalize="tokens", shift_labels=True)
     packs_documents = True
+    logits = "full"  # or chunked: a Projection (heads.choose)
+    fused = None  # model.kernels' fused cross-entropy for a Projection
 
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, **inputs: torch.Tensor) -> Any:
         if "document_ids" in inputs:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            base = heads.causal(self.model)
             dtype = next(base.parameters()).dtype
             inputs = packed.document_inputs(inputs, getattr(base.config, "_attn_implementation", None) or "eager",
                                             dtype if dtype.is_floating_point else torch.float32)
-        return super().forward(**inputs)
+        if self.logits == "full":
+            return super().forward(**inputs)
+        if self.use_cache:
+            inputs["use_cache"] = False
+        return heads.project(self.model, inputs, self.fused)
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.transpose(1, 2)
@@ -135,15 +144,23 @@ def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) ->
 
 
 def causal_lm(num_classes: int, adapter: Optional[str] = None, lora: Optional[dict] = None,
-              quantize: Optional[str] = None, neftune_alpha: Optional[float] = None, **kwargs: Any) -> HFCausalLM:
+              quantize: Optional[str] = None, neftune_alpha: Optional[float] = None, logits: str = "chunked",
+              kernels: Optional[str] = None, **kwargs: Any) -> HFCausalLM:
     """model=hf_causal_lm: AutoModelForCausalLM; a random initialisation takes the data's vocabulary; `adapter`
-    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model; `neftune_alpha`: NEFTune."""
+    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model; `neftune_alpha`: NEFTune;
+    `logits`: chunked (hidden states and head for the loss) or full; `kernels`: liger (models/kernels.py)."""
     adapters.check(adapter, quantize)
     neftune.check(neftune_alpha)
+    heads.check(logits)
+    kernels_module.check(kernels)
     model = load("AutoModelForCausalLM", num_labels=None, vocab_size=kwargs.pop("vocab_size", num_classes),
                  quantize=quantize, **kwargs)
+    kernels_module.apply(model, kernels)
     wrapped = HFCausalLM(adapt(model, "AutoModelForCausalLM", adapter, lora, quantize))
     neftune.attach(wrapped, wrapped.model, neftune_alpha)
+    wrapped.logits = heads.choose(wrapped.model, logits, kernels)
+    if kernels and wrapped.logits == "chunked":
+        wrapped.fused = kernels_module.fused_cross_entropy
     return wrapped
 
 
@@ -256,35 +273,6 @@ def from_hub(loader: Any, name_or_path: str, key: str = "model.name_or_path", **
         raise UserError(f"{key}={name_or_path} could not be loaded ({first_line(e)}): give a local directory (a "
                         "save_pretrained output), or download it once with network access (HF_HUB_OFFLINE=1 skips "
                         "the network)") from None
-
-
-def set_dropout_config(config: Any, p: float) -> list[str]:
-    """Every drop probability of a Hugging Face config (and of its sub-configs) set to p, None ones included (a
-    head whose dropout is None falls back to another one, or to 0.1). Returns the keys set."""
-    changed = []
-    for key in config.to_dict():
-        value = getattr(config, key, None)
-        if hasattr(value, "to_dict"):  # a sub-config (composite models)
-            changed += [f"{key}.{k}" for k in set_dropout_config(value, p)]
-        elif STOCHASTIC.search(key) and (value is None or type(value) in (int, float)):
-            setattr(config, key, p)
-            changed.append(key)
-    return changed
-
-
-def set_dropout_modules(model: nn.Module, p: float) -> int:
-    """Every dropout layer's p, and every float drop probability a module keeps (Llama's attention_dropout,
-    handed to SDPA), set to p: what a config key cannot reach. Returns how many were set."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = p
-            count += 1
-        for attr, value in list(vars(module).items()):
-            if STOCHASTIC.search(attr) and isinstance(value, float):
-                setattr(module, attr, p)
-                count += 1
-    return count
 
 
 def export(model: nn.Module, tokenizer: Any, directory: Path, merged: bool = False) -> Path:
