@@ -15,6 +15,7 @@ CONTRASTIVE = ["debug=fast", "loss=contrastive", "augment.views=2", "augment=cro
 FSDP = [*TINY, "strategy=fsdp"]
 LM = ["debug=fast", "model=hf_causal_lm", "+model.config.model_type=gpt2"]
 BUDGET = ["micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000"]
+FREE = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "data=text", "data.train=lm.txt", "data.padding=free"]
 STREAM = ["data=hf", "data.train=chat.jsonl", "data.streaming=true", "data.val=val.jsonl", "trainer.max_steps=10"]
 
 # One command per row of the table: (the row's option, the other key as the message names it) → the overrides.
@@ -44,6 +45,10 @@ ROWS = {
     ("data.streaming=true", "micro_batch=auto"): [*STREAM, *BUDGET],
     ("data.streaming=true", "batch_schedule"): [*STREAM, "batch_schedule=ramp"],
     ("data.streaming=true", "loader.num_workers=2"): [*STREAM, "loader.num_workers=2"],
+    ("data.padding=free", "loss.normalize=sequences"): [*FREE, "loss.normalize=sequences"],
+    ("data.padding=free", "loss=contrastive"): [*FREE, "loss=contrastive"],
+    ("data.padding=free", "model.neftune_alpha=5.0"): [*FREE, "model.neftune_alpha=5"],
+    ("model.kernels=liger", "trainer.device=cpu"): [*LM, "model.kernels=liger", "trainer.device=cpu"],
     ("model.quantize=4bit", "trainer.device=cpu"):
         [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
 }

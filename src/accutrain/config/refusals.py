@@ -110,6 +110,20 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.loader.num_workers not in ("auto", 0), lambda c: f"loader.num_workers={c.loader.num_workers}",
             "the stream is read, and its windows cut, in the training process; leave loader.num_workers=auto"),
     )),
+    Entry("data.padding=free", lambda c: c.data.get("padding") == "free", (
+        Row(lambda c: getattr(c.loss.get("normalize"), "value", None) == "sequences", "loss.normalize=sequences",
+            "a padding-free row holds several samples end to end, and the loss sees one row; use "
+            "data.padding=longest"),
+        Row(lambda c: c.loss.target == CONTRASTIVE, "loss=contrastive", "text pairs embed each text in a row of its "
+            "own; use data.padding=longest"),
+        Row(lambda c: c.model.get("neftune_alpha") is not None,
+            lambda c: f"model.neftune_alpha={c.model.get('neftune_alpha')}", "NEFTune draws each sample's noise "
+            "over its own row; use data.padding=longest"),
+    )),
+    Entry("model.kernels=liger", lambda c: c.model.get("kernels") == "liger", (
+        Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "Liger Kernel's Triton kernels need a CUDA "
+            "GPU: drop model.kernels (model.logits=chunked keeps the logits from being held whole on any device)"),
+    )),
     Entry("model.quantize=4bit", lambda c: c.model.get("quantize") is not None, (
         Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "
             "drop model.quantize to train LoRA on the unquantized weights"),

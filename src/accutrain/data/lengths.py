@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from accutrain.core.batches import BatchFormat, PadCollate
+from accutrain.core.batches import BatchFormat, FlatCollate, PadCollate
 from accutrain.core.token_budget import TokenLengths
 from accutrain.data.datasets import Datasets
 from accutrain.errors import UserError
@@ -19,7 +19,11 @@ def token_lengths(datasets: Datasets, batches: BatchFormat, micro_tokens: Option
     where micro_tokens is one line, as is a budget below the longest sample."""
     train, collate = datasets.train, batches.collate
     first = train[0]
-    if isinstance(collate, PadCollate) and isinstance(first, dict):
+    if isinstance(collate, FlatCollate):  # padding-free: a micro-batch holds its samples' tokens, no more
+        lengths = train.lengths() if hasattr(train, "lengths") else torch.tensor(
+            [len(train[i]["input_ids"]) for i in range(len(train))])
+        tokens = TokenLengths(lengths, None, micro_tokens, free=True)
+    elif isinstance(collate, PadCollate) and isinstance(first, dict):
         keys = [key for key in first if key.endswith("input_ids")] or ["input_ids"]  # a text pair: one per text
         if hasattr(train, "lengths") and keys == ["input_ids"]:  # one text per item: its lengths, no item read
             lengths = totals = train.lengths()

@@ -100,6 +100,9 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
                         f"be; set micro_tokens ≥ {datasets.sample_shape[0]} (or a smaller data.max_length)")
     for line in plan.describe():
         log.info(line)
+    if tokens is not None and tokens.free:
+        log.info("data.padding=free: each micro-batch is one row of its samples' tokens end to end, no padding (a "
+                 "budget counts real tokens), each document with its own positions and attention")
     log.info(data.describe_split_sizes(datasets))
     for group in optimizer.param_groups:  # scaling.lr applies at each optimizer step, for its window's batch
         group["lr"] = group["initial_lr"] = cfg.optim["lr"]
@@ -119,7 +122,8 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     pin = device.type == "cuda"
     sampler = (WindowSampler(plan, cfg.seed, world.rank, world.size, mixer, tokens) if datasets.stream is None else
                StreamSampler(plan, datasets.stream, cfg.seed, datasets.stream.buffer_size, world.rank, world.size,
-                             tokens.padded_to if tokens is not None else None))  # MixUp/CutMix drawn per window
+                             tokens.padded_to if tokens is not None else None,
+                             tokens is not None and tokens.free))  # MixUp/CutMix drawn per window
     # The loaders draw their workers' seeds from generators of their own, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
