@@ -54,6 +54,7 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
         Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N (or micro_tokens=N for text "
             "pairs)"),
+        Row(lambda c: c.micro_tokens == "auto", "micro_tokens=auto", "give micro_tokens=N"),
         Row(lambda c: c.trainer.accum_dtype is not None or c.trainer.offload_grads,
             "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
         Row(lambda c: c.augment.mixup_alpha > 0 or c.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",
@@ -74,6 +75,8 @@ TABLE: tuple[Entry, ...] = (
     Entry("strategy=fsdp", lambda c: c.strategy.name == "fsdp", (
         Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "a trial step that runs out of memory on one "
             "rank would leave the others waiting in FSDP's collectives; give micro_batch=N"),
+        Row(lambda c: c.micro_tokens == "auto", "micro_tokens=auto", "a trial step that runs out of memory on one "
+            "rank would leave the others waiting in FSDP's collectives; give micro_tokens=N"),
         Row(lambda c: c.trainer.offload_grads, "trainer.offload_grads=true", "use strategy.cpu_offload=true, which "
             "keeps the sharded weights, gradients and optimizer state in host memory"),
         Row(lambda c: c.trainer.accum_dtype is not None, lambda c: f"trainer.accum_dtype={c.trainer.accum_dtype}",
@@ -105,6 +108,8 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.data.get("packing") not in (False, None), lambda c: f"data.packing={c.data.get('packing')}",
             "packing lays its blocks out over the whole training set; set data.packing=false"),
         Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        Row(lambda c: c.micro_tokens == "auto", "micro_tokens=auto", "a stream's longest samples are not known before "
+            "it is read; give micro_tokens=N"),
         Row(lambda c: c.batch_schedule is not None, "batch_schedule", "a schedule is laid out over the training "
             "set's size; use a fixed batch (micro_batch × accum)"),
         Row(lambda c: c.loader.num_workers not in ("auto", 0), lambda c: f"loader.num_workers={c.loader.num_workers}",

@@ -30,6 +30,10 @@ class TokenLengths:
         self.rows, self.totals = rows, (totals if totals is not None else lengths * rows).to(torch.int64)
         self.free = free
 
+    def with_budget(self, budget: Optional[int]) -> TokenLengths:
+        """The same lengths cut by another budget (micro_tokens=auto's trials, its finding)."""
+        return TokenLengths(self.lengths, self.padded_to, budget, self.real, self.rows, self.totals, self.free)
+
     def held(self, lengths: Sequence[int]) -> int:
         """The tokens a micro-batch of samples of `lengths` holds: rows × its padded width, or their sum
         (padding-free)."""
