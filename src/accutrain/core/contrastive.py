@@ -150,6 +150,15 @@ class ContrastiveLoss:
                     "the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)"]
         return []
 
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def summary(self, figures: dict[str, float]) -> str:
+        return ""
+
+    def components(self) -> dict[str, ContrastiveLoss]:
+        return {}
+
     def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Σ of the micro-batch's losses with its own samples as the only negatives: loss.window=false's loss."""
         return self.per_sample(pairs(embeddings)).sum()

@@ -90,7 +90,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
         out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=parts.device), world).item())
     if world.main:
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
-                        out.peak_mb, noise_summary(parts))
+                        out.peak_mb, {**noise_summary(parts), **out.figures})
         say_how_it_ended(parts, out, run_dir)
     parts.strategy.close()
     if world.main:
@@ -241,7 +241,8 @@ def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path) -> None:
              + (f", {p.skipped} non-finite windows skipped" if p.skipped else "")
              + (f", {headline(out.test, monitor.metric)}" if out.test is not None else "")
              + (f", noise scale B_simple {noise['b_simple']:.4g} at effective batch {noise['effective']:.0f}"
-                if noise else ""))
+                if noise else "")
+             + (f", {words}" if out.figures and (words := parts.loss.summary(out.figures)) else ""))
     if out.test is not None:
         add_to_status(run_dir, test={k: v for k, v in out.test.items() if k != "kind"})
     if out.peak_mb:
