@@ -126,8 +126,11 @@ def _plain_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata
 
 
 def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """The plain keys back under `model.` — decided by the wrapped model's own keys, not by the prefix: a Llama's or a
+    Mixtral's plain keys begin with `model.` themselves."""
     inner = prefix + "model."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+    own = {inner + key for key in module.model.state_dict(keep_vars=True)}
+    for key in [k for k in state_dict if k.startswith(prefix) and inner + k[len(prefix):] in own]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
