@@ -39,7 +39,7 @@ ROWS = {
     ("strategy=fsdp", "trainer.noise_scale=true"): [*FSDP, "trainer.noise_scale=true", "accum=2"],
     ("strategy=fsdp", "model.adapter=lora"): [*LM, "strategy=fsdp", "model.adapter=lora"],
     ("strategy=fsdp", "trainer.export=weights"): [*FSDP, "trainer.export=weights"],
-    ("loss=moe", "model=mlp"): ["debug=fast", "loss=moe"],
+    ("loss=moe", "model._target_=accutrain.models.mlp"): ["debug=fast", "loss=moe"],
     ("loss=moe", "strategy=fsdp"): [*LM, "loss=moe", "strategy=fsdp"],
     ("loss.router_aux=model", "data.packing=true"): ["model=hf_causal_lm", "+model.config.model_type=mixtral",
                                                      "loss=moe", "loss.router_aux=model", "data=text",

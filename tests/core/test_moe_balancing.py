@@ -220,8 +220,8 @@ def test_a_dense_model_a_router_without_logits_and_one_without_a_loss_of_its_own
                                             moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                                             num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
                                             first_k_dense_replace=0, n_group=1, topk_group=1, kv_lora_rank=8,
-                                            q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, head_dim=4,
-                                            max_position_embeddings=64))
+                                            q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                                            head_dim=4, max_position_embeddings=64))
     first = padded(window()[:2])
     with pytest.raises(UserError, match=r"loss.router_aux=window: the model \(DeepseekV3ForCausalLM\) computes no "
                                         "balancing loss of its own"):

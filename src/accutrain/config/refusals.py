@@ -104,7 +104,7 @@ TABLE: tuple[Entry, ...] = (
     )),
     Entry("loss=moe", lambda c: c.loss.target == MOE, (
         Row(lambda c: c.model.target.startswith("accutrain.models.") and c.model.target != "accutrain.models.hf."
-            "causal_lm", lambda c: f"model={c.model.target.rsplit('.', 1)[-1]}", "loss=moe balances the router of a "
+            "causal_lm", lambda c: f"model._target_={c.model.target}", "loss=moe balances the router of a "
             "mixture-of-experts language model: use model=hf_causal_lm with a mixture-of-experts config (e.g. "
             "+model.config.model_type=mixtral), or loss=cross_entropy"),
         Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "the window's routing counts are not verified "

@@ -248,8 +248,8 @@ class SummedLoss(OnePass):
     def attach(self, model: nn.Module) -> list[str]:
         routing = getattr(model, "routing", None)  # a mixture of experts (models/moe.py)
         if routing is not None and self.elements:
-            return [f"the model ({routing.name}) routes each token to {routing.top_k} of {routing.experts} experts, and "
-                    "loss=cross_entropy does not balance its router (experts may collapse): loss=moe adds its "
+            return [f"the model ({routing.name}) routes each token to {routing.top_k} of {routing.experts} experts, "
+                    "and loss=cross_entropy does not balance its router (experts may collapse): loss=moe adds its "
                     "balancing loss, over the whole window"]
         return []
 
