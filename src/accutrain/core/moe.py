@@ -113,8 +113,9 @@ class RouterBalancedLoss:
         """.grad = ∇(the window's cross-entropy / |W| + coef · its balancing loss + coef_z · its z-loss); returns
         this rank's summed cross-entropy (float64, on the device). router_aux=window: two passes (above)."""
         precision = precision or FP32
-        window = rereadable(micro_batches) if self.whole_window else micro_batches
-        counted = self.count_window(model, window, device, precision, world) if self.whole_window else None
+        two = self.whole_window and self.aux_coef != 0  # a weight of 0 needs no window's counts
+        window = rereadable(micro_batches) if two else micro_batches
+        counted = self.count_window(model, window, device, precision, world) if two else None
         replay = iter(counted.states) if counted is not None else None
         scale = world / terms  # DDP averages the ranks' gradients: × world undoes that mean
         total = torch.zeros((), dtype=torch.float64, device=device)
@@ -148,7 +149,7 @@ class RouterBalancedLoss:
         counted_rows = (target != self.ce.ignore_index).reshape(-1)
         routed = route(self.router_logits(aux), self.routing.top_k, token_rows(batch.inputs), counted_rows)
         n = counted_rows.sum()
-        if self.router_aux is RouterAux.window:
+        if self.router_aux is RouterAux.window and counted is not None:
             balance = balancing(counted.counts, routed.probs, counted.tokens) * world
         elif self.router_aux is RouterAux.micro_batch:
             balance = balancing(routed.counts, routed.probs, routed.tokens) * n * scale
@@ -156,7 +157,9 @@ class RouterBalancedLoss:
             balance = aux["aux_loss"] * n * scale
         else:
             balance = None
-        objective = ce_sum * (self.ce_weight * scale) + self.z_coef * routed.z * scale
+        objective = ce_sum * (self.ce_weight * scale)
+        if self.z_coef:
+            objective = objective + self.z_coef * routed.z * scale
         if balance is not None and self.aux_coef:
             objective = objective + self.aux_coef * balance
         optimised = balance.detach().double() / scale if balance is not None and \
