@@ -8,15 +8,15 @@ the held-out lines of every domain: the held-out loss, the expert load over all 
 over the mean, the entropy of the shares), and how specialised the experts became per domain — the mutual
 information between a token's domain and the experts it is routed to (top-k choices, per layer, in bits; at most
 log2(4) = 2), and each domain's share of tokens on its own busiest expert.
-`cost`: what pass 1 costs — tokens/s and peak memory of the same runs' steps, off (no balancing loss), micro_batch and
-window alternated, the median over repeats of each run's median step.
+`cost`: what pass 1 costs — one window of the same model and lines held in memory, accumulated with off (no balancing
+loss), micro_batch and window in turn, `--repeats` rounds: the median time per window (and on a GPU the peak memory).
 
-    python scripts/moe_balancing.py study --seeds 0 1 2 --micro-batch 2 --effective 32 --epochs 4
-    python scripts/moe_balancing.py cost --repeats 3 --micro-batch 4 --effective 32 --steps 20
+    python scripts/moe_balancing.py study --seeds 0 1 2 --micro-batch 2 --effective 32 --epochs 3 --lines 1920
+    python scripts/moe_balancing.py cost --repeats 30 --micro-batch 4 --effective 32
     # on a GPU (a larger tiny model, and bf16):
     python scripts/moe_balancing.py study --device cuda --hidden 256 --layers 4 --experts 8 --lines 20000
     python scripts/moe_balancing.py cost --device cuda --hidden 1024 --layers 8 --experts 8 --micro-batch 16 \\
-        --effective 256 --steps 30 --extra trainer.precision=bf16-mixed
+        --effective 256 --precision bf16-mixed
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import hydra
@@ -36,6 +37,7 @@ from omegaconf import OmegaConf
 
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
+from accutrain.core.batches import Batch, BatchFormat, PadCollate
 from accutrain.core.routing import load, route, token_rows
 from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.run.launch import train
@@ -142,22 +144,62 @@ def study(a: argparse.Namespace, root: Path) -> None:
         print(f"| {mode} | " + " | ".join(cells) + " |")
 
 
+def window_batches(held: dict[str, list[str]], micro: int, count: int, device: str) -> list[Batch]:
+    """`count` micro-batches of `micro` lines (the domains mixed), padded per micro-batch, labels = input_ids."""
+    lines = [t for group in zip(*held.values()) for t in group][: micro * count]
+    collate = BatchFormat(PadCollate(dict(input_ids=0, attention_mask=0, labels=-100)), ("input_ids", "attention_mask"))
+    encoded = ByteTokenizer()(lines)["input_ids"]
+    items = [dict(input_ids=torch.tensor(e), attention_mask=torch.ones(len(e), dtype=torch.int64),
+                  labels=torch.tensor(e)) for e in encoded]
+    return [collate(items[i: i + micro]).to(torch.device(device)) for i in range(0, len(items), micro)]
+
+
 def cost(a: argparse.Namespace, root: Path) -> None:
-    write_data(root, a.lines)
-    measured: dict[str, list[tuple[float, float]]] = {"off": [], "micro_batch": [], "window": []}
-    for repeat in range(a.repeats):
-        for mode in (list(measured) if repeat % 2 == 0 else list(reversed(measured))):
-            args = [*command(a, root, mode, 0), f"trainer.max_steps={a.steps}", "trainer.eval_every=0"]
-            print("accutrain " + " ".join(shlex.quote(x) for x in args), file=sys.stderr)
-            steps, _ = trained(args, root / f"{mode}-{repeat}")
-            steady = steps[2:]  # the first steps warm up
-            measured[mode].append((statistics.median(r["tokens_per_s"] for r in steady),
-                                   max(r["peak_mem_mb"] for r in steady)))
-    base = statistics.median(t for t, _ in measured["micro_batch"])
-    print("\n| router_aux | tokens/s (median) | vs micro_batch | peak memory (MiB) |\n|---|---:|---:|---:|")
-    for mode, runs in measured.items():
-        rate = statistics.median(t for t, _ in runs)
-        print(f"| {mode} | {rate:.0f} | {rate / base:.2f}× | {statistics.median(m for _, m in runs):.0f} |")
+    """One window held in memory (no data loading), accumulated by each option in turn, `repeats` times: the median
+    time per window, and on a GPU the peak memory of each."""
+    from accutrain.core.moe import moe
+    from accutrain.core.precision import make_precision
+    from accutrain.models.hf import causal_lm
+
+    device = torch.device(a.device)
+    held = {d: [line(d, random.Random(i)) for i in range(a.effective)] for d in DOMAINS}
+    torch.manual_seed(0)
+    config = dict(model_type="mixtral", hidden_size=a.hidden, intermediate_size=2 * a.hidden,
+                  num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=4,
+                  num_local_experts=a.experts, num_experts_per_tok=2, max_position_embeddings=128)
+    model = causal_lm(259, config=config, dropout=0.0).to(device)
+    precision = make_precision(a.precision, device)
+    batches = window_batches(held, a.micro_batch, a.effective // a.micro_batch, a.device)
+    losses = {mode: moe(mode, router_aux_coef=a.coef, model=model) for mode in ("off", "micro_batch", "window")}
+    for loss in losses.values():
+        loss.check(model, batches[0], "cost")
+    terms = losses["window"].terms(batches)
+    modes = [*losses, "pass 1 alone"]
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    peak: dict[str, float] = {}
+    for repeat in range(a.repeats + 1):  # the first round warms up
+        for mode in (modes if repeat % 2 == 0 else list(reversed(modes))):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            if mode == "pass 1 alone":  # the counting pass without the accumulation
+                losses["window"].count_window(model, batches, device, precision, 1)
+            else:
+                losses[mode].accumulate(model, batches, terms, device, precision=precision)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                peak[mode] = torch.cuda.max_memory_allocated() / 2**20
+            if repeat:
+                seconds[mode].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    base = statistics.median(seconds["micro_batch"])
+    print(f"\n{a.effective // a.micro_batch} micro-batches of {a.micro_batch} lines, {terms} tokens counted, "
+          f"{a.repeats} rounds alternated ({a.device}, precision {a.precision})")
+    print("| loss.router_aux | ms per window (median) | vs micro_batch | peak memory (MiB) |\n|---|---:|---:|---:|")
+    for mode, times in seconds.items():
+        ms = 1000 * statistics.median(times)
+        print(f"| {mode} | {ms:.1f} | {ms / 1000 / base:.2f}× | {f'{peak[mode]:.0f}' if peak else 'n/a (CPU)'} |")
 
 
 def main() -> None:
@@ -167,8 +209,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--effective", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--precision", default="32", help="cost: trainer.precision's choices")
     parser.add_argument("--lines", type=int, default=1600)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -176,9 +218,10 @@ def main() -> None:
     parser.add_argument("--coef", type=float, default=0.05)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch's CPU threads")
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides, as accutrain takes them")
     a = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(a.threads)  # a tiny model: more threads than free cores only wait on each other
     with tempfile.TemporaryDirectory() as tmp:
         (study if a.what == "study" else cost)(a, Path(tmp))
 
