@@ -246,3 +246,12 @@ def test_a_dense_model_a_router_without_logits_and_one_without_a_loss_of_its_own
 
     with pytest.raises(UserError, match="its forward takes no aux= keyword"):
         moe(model=NoAux()).check(NoAux(), first, "test")
+
+
+def test_cross_entropy_on_a_mixture_of_experts_warns_that_nothing_balances_its_router():
+    from accutrain.core.losses import cross_entropy
+
+    model = tiny(dtype=torch.float32)
+    warnings = cross_entropy(model=model).attach(model)
+    assert len(warnings) == 1 and "loss=cross_entropy does not balance its router" in warnings[0]
+    assert "MixtralForCausalLM" in warnings[0] and "loss=moe" in warnings[0]
