@@ -10,7 +10,6 @@ import random
 import re
 
 import pytest
-import torch
 
 from conftest import (assert_identical, assert_one_line_error, final_weights, killed_at_step, read_metrics, run_cli,
                       run_of, train_here)
