@@ -44,6 +44,11 @@ ROWS = {
     ("data.streaming=true", "micro_batch=auto"): [*STREAM, *BUDGET],
     ("data.streaming=true", "batch_schedule"): [*STREAM, "batch_schedule=ramp"],
     ("data.streaming=true", "loader.num_workers=2"): [*STREAM, "loader.num_workers=2"],
+    ("loss=moe", "model._target_=accutrain.models.mlp"): ["debug=fast", "loss=moe"],
+    ("loss=moe", "strategy=fsdp"): [*LM, "loss=moe", "strategy=fsdp"],
+    ("loss.router_aux=model", "data.packing=true"): ["model=hf_causal_lm", "+model.config.model_type=mixtral",
+                                                     "loss=moe", "loss.router_aux=model", "data=text",
+                                                     "data.train=corpus.txt", "data.packing=true"],
     ("model.quantize=4bit", "trainer.device=cpu"):
         [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
 }

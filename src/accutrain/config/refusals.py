@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from accutrain.config.train import TrainConfig
+from accutrain.core.options import RouterAux
 from accutrain.errors import UserError
 
 CONTRASTIVE = "accutrain.core.contrastive.contrastive"
+MOE = "accutrain.core.moe.moe"
 
 Test = Callable[[TrainConfig], bool]
 
@@ -109,6 +111,19 @@ TABLE: tuple[Entry, ...] = (
             "set's size; use a fixed batch (micro_batch × accum)"),
         Row(lambda c: c.loader.num_workers not in ("auto", 0), lambda c: f"loader.num_workers={c.loader.num_workers}",
             "the stream is read, and its windows cut, in the training process; leave loader.num_workers=auto"),
+    )),
+    Entry("loss=moe", lambda c: c.loss.target == MOE, (
+        Row(lambda c: c.model.target.startswith("accutrain.models.") and c.model.target != "accutrain.models.hf."
+            "causal_lm", lambda c: f"model._target_={c.model.target}", "loss=moe balances the router of a "
+            "mixture-of-experts language model: use model=hf_causal_lm with a mixture-of-experts config (e.g. "
+            "+model.config.model_type=mixtral), or loss=cross_entropy"),
+        Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "the window's routing counts are not verified "
+            "with FSDP's sharded forwards; use strategy=ddp"),
+    )),
+    Entry("loss.router_aux=model", lambda c: c.loss.target == MOE and c.loss.get("router_aux") is RouterAux.model, (
+        Row(lambda c: c.data.get("packing") is True, "data.packing=true", "the model's own balancing loss reads a "
+            "block packed by documents as one sequence and its 4-D attention mask as padding: use "
+            "loss.router_aux=window, which counts each document's tokens (or data.packing=false)"),
     )),
     Entry("model.quantize=4bit", lambda c: c.model.get("quantize") is not None, (
         Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import adapters, neftune, packed
+from accutrain.models import adapters, moe, neftune, packed
 from accutrain.models.adapters import first_line
 from accutrain.models.pitfalls import STOCHASTIC
 
@@ -48,6 +48,8 @@ class HFAdapter(nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes **kwargs on
         self.use_cache = "use_cache" in inspect.signature(base.forward).parameters
         self.adapted = hasattr(model, "peft_config")  # model.adapter: the state holds the adapter's entries only
+        self.router = moe.router_of(base)  # a mixture of experts' router outputs; None: dense
+        self.routing = self.router.routing if self.router is not None else None  # what loss=moe reads
         if self.adapted:
             self.register_state_dict_post_hook(_adapter_only)  # before the keys lose their "model." prefix
         self.register_state_dict_post_hook(_plain_keys)
@@ -66,10 +68,13 @@ class HFAdapter(nn.Module):
                                + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
         return super().load_state_dict(state_dict, strict=False, assign=assign)
 
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, aux: tuple[str, ...] = (), **inputs: torch.Tensor) -> Any:
+        """The logits; with `aux` (e.g. ("router_logits",)), (logits, {name: the model's output of that name})."""
         if self.use_cache:
             inputs["use_cache"] = False  # a training forward needs no key/value cache
-        return self.layout(self.model(**inputs).logits)
+        output, extra = moe.forward(self.model, self.router, inputs, aux)
+        logits = self.layout(output.logits)
+        return (logits, extra) if aux else logits
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
@@ -98,13 +103,13 @@ class HFCausalLM(HFAdapter):
     loss_defaults = dict(normalize="tokens", shift_labels=True)
     packs_documents = True
 
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, aux: tuple[str, ...] = (), **inputs: torch.Tensor) -> Any:
         if "document_ids" in inputs:
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
             dtype = next(base.parameters()).dtype
             inputs = packed.document_inputs(inputs, getattr(base.config, "_attn_implementation", None) or "eager",
                                             dtype if dtype.is_floating_point else torch.float32)
-        return super().forward(**inputs)
+        return super().forward(aux, **inputs)
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.transpose(1, 2)
@@ -129,8 +134,11 @@ def _plain_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata
 
 
 def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """The plain keys back under `model.` — decided by the wrapped model's own keys, not by the prefix: a Llama's or a
+    Mixtral's plain keys begin with `model.` themselves."""
     inner = prefix + "model."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+    own = {inner + key for key in module.model.state_dict(keep_vars=True)}
+    for key in [k for k in state_dict if k.startswith(prefix) and inner + k[len(prefix):] in own]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 

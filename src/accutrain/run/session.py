@@ -93,7 +93,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if world.main:
         row = read_run(run_dir, run_dir.name)  # the run as its summary table (accutrain-report) gives it
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
-                        out.peak_mb, noise_summary(parts, row))
+                        out.peak_mb, {**noise_summary(parts, row), **out.figures})
         say_how_it_ended(parts, out, run_dir, row)
     parts.strategy.close()
     if world.main:
@@ -242,6 +242,7 @@ def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path, row: RunRow
                                    out.tokens, parts.world.size, row.samples_per_s)
     results += [f"{p.skipped} non-finite window{'s' if p.skipped > 1 else ''} skipped"] if p.skipped else []
     results += [headline(out.test, monitor.metric)] if out.test is not None else []
+    results += [words] if out.figures and (words := parts.loss.summary(out.figures)) else []
     for line in [done, ", ".join(results)] if results else [done]:
         log.info(line)
     noise = noise_summary(parts, row)
