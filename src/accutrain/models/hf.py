@@ -18,7 +18,7 @@ from torch import nn
 from accutrain.errors import UserError
 from accutrain.models import adapters, moe, neftune, packed
 from accutrain.models.adapters import first_line
-from accutrain.models.pitfalls import STOCHASTIC
+from accutrain.models.hf_dropout import set_dropout_config, set_dropout_modules
 
 log = logging.getLogger("accutrain")
 
@@ -264,35 +264,6 @@ def from_hub(loader: Any, name_or_path: str, key: str = "model.name_or_path", **
         raise UserError(f"{key}={name_or_path} could not be loaded ({first_line(e)}): give a local directory (a "
                         "save_pretrained output), or download it once with network access (HF_HUB_OFFLINE=1 skips "
                         "the network)") from None
-
-
-def set_dropout_config(config: Any, p: float) -> list[str]:
-    """Every drop probability of a Hugging Face config (and of its sub-configs) set to p, None ones included (a
-    head whose dropout is None falls back to another one, or to 0.1). Returns the keys set."""
-    changed = []
-    for key in config.to_dict():
-        value = getattr(config, key, None)
-        if hasattr(value, "to_dict"):  # a sub-config (composite models)
-            changed += [f"{key}.{k}" for k in set_dropout_config(value, p)]
-        elif STOCHASTIC.search(key) and (value is None or type(value) in (int, float)):
-            setattr(config, key, p)
-            changed.append(key)
-    return changed
-
-
-def set_dropout_modules(model: nn.Module, p: float) -> int:
-    """Every dropout layer's p, and every float drop probability a module keeps (Llama's attention_dropout,
-    handed to SDPA), set to p: what a config key cannot reach. Returns how many were set."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = p
-            count += 1
-        for attr, value in list(vars(module).items()):
-            if STOCHASTIC.search(attr) and isinstance(value, float):
-                setattr(module, attr, p)
-                count += 1
-    return count
 
 
 def export(model: nn.Module, tokenizer: Any, directory: Path, merged: bool = False) -> Path:

@@ -70,7 +70,7 @@ def routing_of(model: nn.Module) -> Optional[Routing]:
     if not experts or experts < 2 or not isinstance(top_k, int):
         return None
     own = "output_router_logits" in inspect.signature(model.forward).parameters
-    coef = getattr(config, "router_aux_loss_coef", None)
+    coef = config.to_dict().get("router_aux_loss_coef")
     return Routing(experts, top_k, float(coef or 0.0), type(model).__name__, bool(recorded(model)), own)
 
 
