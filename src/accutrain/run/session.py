@@ -18,7 +18,7 @@ from accutrain.errors import NonFinite, UserError
 from accutrain.parallel.state_dicts import write_sharded
 from accutrain.run.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
-from accutrain.store import checkpoint
+from accutrain.store import checkpoint, owned
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
 from accutrain.store.weights import WEIGHTS_FILE, save_weights
@@ -46,6 +46,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
     if world.main:
+        owned.adopt(run_dir)  # before anything is written there: accutrain's own, or refused
         log.info(f"run directory {run_dir} (train.log, metrics.jsonl, checkpoints/)")
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     parts = build(cfg, world, device, cache_dir=run_dir.parent)
