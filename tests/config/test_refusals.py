@@ -39,6 +39,10 @@ ROWS = {
     ("strategy=fsdp", "trainer.noise_scale=true"): [*FSDP, "trainer.noise_scale=true", "accum=2"],
     ("strategy=fsdp", "model.adapter=lora"): [*LM, "strategy=fsdp", "model.adapter=lora"],
     ("strategy=fsdp", "trainer.export=weights"): [*FSDP, "trainer.export=weights"],
+    ("model.adapter=lora", "model.lora.alpha=0"): [*LM, "model.adapter=lora", "model.lora.alpha=0"],
+    ("model.adapter=lora", "model.lora.r=0"): [*LM, "model.adapter=lora", "model.lora.r=0"],
+    ("model.adapter=lora", "model.lora.dropout=1"): [*LM, "model.adapter=lora", "model.lora.dropout=1"],
+    ("model.adapter=lora", "model.lora.target_modules=[]"): [*LM, "model.adapter=lora", "model.lora.target_modules=[]"],
     ("model.quantize=4bit", "trainer.device=cpu"):
         [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
 }

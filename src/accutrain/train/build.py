@@ -54,7 +54,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     precision = make_precision(trainer.precision, device)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
-    model, loss, supplied["model"] = build_model(cfg, datasets, batches, world, device, precision, strategy)
+    model, loss, supplied["model"], base = build_model(cfg, datasets, batches, world, device, precision, strategy)
     model = strategy.prepare(model)
     losses.attach(loss, model)  # a learnt temperature: a parameter of the model, before the optimizer
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
@@ -136,7 +136,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         val_loader=val_loader, test_loader=test_loader, precision=precision, buffers=buffers, loss=loss,
         ema=make_ema(trainer, model), monitor=Monitor.from_config(trainer, loss.task, loss.monitor),
         lr_scaling=lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch, cfg.scaling.beta2, cfg.scaling.ema),
-        tokenizer=datasets.tokenizer,
+        tokenizer=datasets.tokenizer, base=base,
         noise=make_noise_scale(trainer, model, world, device, precision, plan, loss.elements))
 
 
