@@ -6,6 +6,7 @@ import logging
 import logging.config
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ from accutrain.models.norms import batchnorm_in
 from accutrain.run.scheduler import launcher_name, scheduler_started
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
-from accutrain.signals import SIGNALS, StopRequest, die_with_parent, signal_numbers
+from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, ctrl_c_ignored, die_with_parent, signal_numbers
 from accutrain.store import checkpoint
 from accutrain.train.loop import Outcome
 
@@ -149,6 +150,7 @@ class _Job:
 
 def _worker(local_rank: int, job: _Job) -> None:
     die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # started with Ctrl-C ignored (ctrl_c_ignored)
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
         os.environ.clear()
         os.environ.update(job.environ)
@@ -168,6 +170,8 @@ def _worker(local_rank: int, job: _Job) -> None:
     except UserError as e:
         job.errors.put((world.rank, str(e)))
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before this rank trains, or a second one: stopped at once (the command says so)
+        sys.exit(128 + signal.SIGINT)
     finally:
         leave_process_group()
 
@@ -243,8 +247,11 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32,
                dict(os.environ))
-    context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
-                                                    start_method=method)
+    context = None
+
+    def start() -> Any:
+        return torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
+                                                     start_method=method)
 
     def pass_on(signum: int) -> None:
         for process in context.processes:
@@ -252,8 +259,17 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
                 os.kill(process.pid, signum)
 
     try:
+        with ctrl_c_ignored():  # the fork server (or spawned workers) start ignoring Ctrl-C: it is this process's
+            if method == "forkserver":  # to answer (it kills them); a worker answers it once it runs
+                multiprocessing.forkserver.ensure_running()
+            else:
+                context = start()
+        with ctrl_c_deferred():  # answered once every worker forked is known here (a worker whose parent is gone
+            context = context or start()  # as it starts would print a traceback)
         with StopRequest(on_request=pass_on, announce=False, signals=signals):
             failed = first_failure(context)
+            if failed is not None and context.processes[failed].exitcode == 128 + signal.SIGINT:
+                raise KeyboardInterrupt  # a rank stopped at once on Ctrl-C: before it trained, or a second one
             if failed is not None and context.processes[failed].exitcode < 0 and errors.empty():
                 name = signal_name(-context.processes[failed].exitcode)
                 raise RankDied(f"rank {failed} of {nprocs} was killed by {name} (the OOM killer, kill -9, a "
@@ -271,8 +287,8 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
         cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
         raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
                            f"\n{e}") from None
-    except KeyboardInterrupt:
-        for process in context.processes:
+    except KeyboardInterrupt:  # (workers started but not yet known here die with this process)
+        for process in context.processes if context is not None else []:
             process.kill()
         raise
     return results.get() if not results.empty() else None
