@@ -49,6 +49,7 @@ ROWS = {
 
 BAD_MODULE = "def make(:\n    pass\n"
 RAISING = "raise RuntimeError('no GPU driver found')\n"
+DATA_RAISING = "def make(**arguments):\n    raise ValueError(\"the csv has no column 'label'\")\n"
 LOSSES = """
 import sys
 import torch.nn.functional as F
@@ -68,6 +69,11 @@ OTHERS = {
         "model._target_=badmodel.Net"], ["model._target_=badmodel.Net", "SyntaxError", "badmodel.py:1"]),
     "a _target_ module raising at import": ({"raising.py": RAISING}, [*TINY, "data=custom",
         "data._target_=raising.make"], ["data._target_=raising.make", "RuntimeError: no GPU driver found"]),
+    "a data factory raising as it makes the data": ({"baddata.py": DATA_RAISING}, [*TINY, "data=custom",
+        "data._target_=baddata.make"], ["the data baddata.make raised ValueError: the csv has no column 'label'"]),
+    "a malformed .csv file": ({"bad.csv": 'text,label\n"unterminated,1\n'}, ["model=hf_causal_lm",
+        "+model.config.model_type=gpt2", "data=hf", "data.train=bad.csv", "data.cache_dir=hf-cache"],
+        ["data.train=bad.csv could not be loaded (Error tokenizing data"]),
     "a custom loss missing a required argument": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
         "loss._target_=mylosses.focal"], ["loss._target_=mylosses.focal", "+loss.gamma"]),
     "a custom loss without gradient": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
