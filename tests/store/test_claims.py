@@ -110,3 +110,22 @@ def test_a_refused_command_puts_back_only_what_it_wrote(tmp_path):
     (run_dir / "kept.yaml").unlink()
     changes.put_back()
     assert not run_dir.exists()  # made by the command, and empty now
+
+
+def test_a_claim_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """The disk fills between the command's checks and its claim: one line, and neither its lock nor its mark
+    left behind."""
+    import errno
+    import os
+
+    from accutrain.store import claim
+
+    def full(directory, kind):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(mark, "write_new", full)
+    changes = record.Changes(made=[tmp_path / "run"])
+    with pytest.raises(UserError, match=r"cannot write the run's files into .*run \(hydra.run.dir\): No space left"):
+        with claim.claimed(tmp_path / "run", "run", "hydra.run.dir", lambda: None, changes):
+            pass
+    assert not (tmp_path / "run").exists()

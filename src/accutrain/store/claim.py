@@ -30,8 +30,10 @@ def claimed(directory: Path, kind: str, key: str, look: Callable[[], None], chan
                     raise UserError(f"{path} is not accutrain's mark (no run id accutrain can read): move it away, "
                                     "or choose another directory")
                 changes.wrote(path, written, None)
-        except BaseException:
+        except BaseException as e:
             changes.put_back()  # while the directory is still held
+            if isinstance(e, OSError):  # a full disk, a directory made read-only since the checks
+                raise UserError(f"cannot write the run's files into {directory} ({key}): {e.strerror or e}") from None
             raise
         yield changes
 
