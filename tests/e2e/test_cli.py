@@ -234,3 +234,31 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_leaves_nothing(tmp_path,
         time.sleep(0.05)
     else:
         raise AssertionError("a process of the command outlived it")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_two_ranks_train_checkpoints_once(slow):
+    """Issue 44: a terminal's Ctrl-C reaches every process of the group, and the command passes it on to its
+    workers as well; a worker took the second for a second Ctrl-C (stop at once, no checkpoint — and before, a
+    worker's KeyboardInterrupt ended it with exit code 0: the command exited 0, or a traceback). A SIGINT within a
+    second of the first is the same press: the run checkpoints and exits 130."""
+    import json
+    import os
+    import signal
+
+    import torch
+
+    from conftest import ONE_THREAD, RUN, cli_command, wait_for_steps
+
+    run_dir = slow / "run"
+    proc = subprocess.Popen([*cli_command(), *RUN, "devices=2", "accum=2", "+model.delay=0.02",
+                             f"hydra.run.dir={run_dir}"], cwd=slow, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, **ONE_THREAD}, start_new_session=True)
+    wait_for_steps(run_dir, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and "stopped at once" not in output, output
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert f"stopped by SIGINT after optimizer step {step} of" in output, output
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "interrupted"
