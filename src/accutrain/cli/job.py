@@ -169,9 +169,11 @@ def job_dir_ours(run_dir: Path, key: str) -> None:
     """A sweep's job directory, as its job finds it under its hold: accutrain's (marked, or made before the mark
     existed), or holding only what Hydra wrote for this job (its record and log, in a sweep directory accutrain
     marked: the job marks it); anything else is refused."""
-    if mark.owner(run_dir) is None and mark.owner(run_dir.parent) == "sweep":
+    hydra = HydraConfig.get()
+    sweep_dir = Path(str(hydra.sweep.dir)).resolve() if hydra.mode == RunMode.MULTIRUN else None
+    if mark.owner(run_dir) is None and sweep_dir is not None and run_dir.resolve().is_relative_to(sweep_dir) \
+            and mark.owner(sweep_dir) == "sweep":
         names = {p.name for p in run_dir.iterdir()} - {rundir.LOCK_FILE}
-        hydra = HydraConfig.get()
         if names <= {str(hydra.output_subdir), log_file(hydra)}:
             return
     owned.refuse_foreign(run_dir, key)
