@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -17,9 +16,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 log = logging.getLogger("accutrain")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# A worker gets a terminal's Ctrl-C twice: from the terminal (to every process of the group) and passed on by the
-# command. A SIGINT this soon after the first is that same press; a later one is a second Ctrl-C: stop at once.
-SAME_PRESS_S = 1.0
 UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
@@ -34,7 +30,6 @@ class StopRequest:
     def __init__(self, on_request: Optional[Callable[[int], None]] = None, announce: bool = True,
                  signals: Iterable[int] = SIGNALS) -> None:
         self.signum: Optional[int] = None
-        self.at = 0.0  # when the first stop signal came (time.monotonic)
         self.on_request, self.announce, self.signals = on_request, announce, tuple(signals)
         self._previous: dict[int, Any] = {}
 
@@ -44,14 +39,14 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is None:
-            self.signum, self.at = signum, time.monotonic()
+            self.signum = signum
             if self.announce:
                 log.info(f"{signal.Signals(signum).name}: stopping at the end of the current window, or at once "
                          "when its end is further off than trainer.stop_grace_s allows; then checkpointing (a second "
                          "Ctrl-C stops at once)")
             if self.on_request:
                 self.on_request(signum)
-        elif signum == signal.SIGINT and time.monotonic() - self.at > SAME_PRESS_S:
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
 
     def __enter__(self) -> "StopRequest":
@@ -62,17 +57,6 @@ class StopRequest:
     def __exit__(self, *exc: Any) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
-
-
-@contextmanager
-def ctrl_c_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process for the block, and so in the processes it starts meanwhile (an ignored signal
-    stays ignored across fork and exec): a Ctrl-C while they import PyTorch is not a traceback of theirs."""
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
 
 
 @contextmanager

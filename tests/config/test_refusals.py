@@ -15,13 +15,12 @@ CONTRASTIVE = ["debug=fast", "loss=contrastive", "augment.views=2", "augment=cro
 FSDP = [*TINY, "strategy=fsdp"]
 LM = ["debug=fast", "model=hf_causal_lm", "+model.config.model_type=gpt2"]
 BUDGET = ["micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000"]
+STREAM = ["data=hf", "data.train=chat.jsonl", "data.streaming=true", "data.val=val.jsonl", "trainer.max_steps=10"]
 
 # One command per row of the table: (the row's option, the other key as the message names it) → the overrides.
 ROWS = {
-    ("loss=contrastive", "augment.views=1"): ["debug=fast", "loss=contrastive"],
     ("loss=contrastive", "strategy=fsdp"): [*CONTRASTIVE, "strategy=fsdp"],
     ("loss=contrastive", "micro_batch=auto"): [*CONTRASTIVE, *BUDGET],
-    ("loss=contrastive", "micro_tokens=64"): [*CONTRASTIVE, "micro_tokens=64", "global_batch=32"],
     ("loss=contrastive", "trainer.accum_dtype / trainer.offload_grads"): [*CONTRASTIVE, "trainer.offload_grads=true"],
     ("loss=contrastive", "augment.mixup_alpha / cutmix_alpha"): [*CONTRASTIVE, "augment.mixup_alpha=0.2"],
     ("loss=contrastive", "trainer.noise_scale=true"): [*CONTRASTIVE, "trainer.noise_scale=true", "accum=2"],
@@ -43,6 +42,12 @@ ROWS = {
     ("model.adapter=lora", "model.lora.r=0"): [*LM, "model.adapter=lora", "model.lora.r=0"],
     ("model.adapter=lora", "model.lora.dropout=1"): [*LM, "model.adapter=lora", "model.lora.dropout=1"],
     ("model.adapter=lora", "model.lora.target_modules=[]"): [*LM, "model.adapter=lora", "model.lora.target_modules=[]"],
+    ("data.streaming=true", "trainer.max_steps=null"): [*STREAM, "trainer.max_steps=null"],
+    ("data.streaming=true", "data.val=null"): [*STREAM, "data.val=null"],
+    ("data.streaming=true", "data.packing=True"): [*STREAM, "data.packing=true"],
+    ("data.streaming=true", "micro_batch=auto"): [*STREAM, *BUDGET],
+    ("data.streaming=true", "batch_schedule"): [*STREAM, "batch_schedule=ramp"],
+    ("data.streaming=true", "loader.num_workers=2"): [*STREAM, "loader.num_workers=2"],
     ("model.quantize=4bit", "trainer.device=cpu"):
         [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
 }
@@ -63,6 +68,8 @@ def detached(output, target):
 def leaves(output, target):
     sys.exit(0)
 """
+PAIRS = "".join('{"anchor": "q%d", "positive": "p%d", "negative": "n%d"}\n' % (i, i, i) for i in range(40))
+TEXT_PAIRS = ["model=mlp", "data=text", "data.train=pairs.jsonl", "loss=contrastive", "micro_batch=8"]
 # What only the data or a plug-in shows: (files to write, the overrides, what the one line names).
 OTHERS = {
     "a _target_ module with a syntax error": ({"badmodel.py": BAD_MODULE}, [*TINY_DATA, "model=custom",
@@ -88,6 +95,14 @@ OTHERS = {
         ["loss=contrastive needs 2 or more samples in every window", "trainer.last_window=drop"]),
     "strategy=fsdp on two devices with BatchNorm": ({}, ["model=resnet18", "strategy=fsdp", "devices=2"],
         ["strategy=fsdp with batchnorm.convert=keep", "batchnorm.convert=group"]),
+    "loss=contrastive on images without their views": ({}, ["debug=fast", "loss=contrastive"],
+        ["loss=contrastive needs pairs per sample", "augment.views=2"]),
+    "a text pair without its positive": ({"pairs.jsonl": PAIRS.replace(', "positive": "p1"', "")},
+        [*TEXT_PAIRS], ["pairs.jsonl:2 has no positive (data.columns.positive=positive)"]),
+    "a text pair with an empty positive": ({"pairs.jsonl": PAIRS.replace('"p1"', '" "')}, [*TEXT_PAIRS],
+        ["pairs.jsonl:2 has an empty positive"]),
+    "text pairs with a loss that does not compare them": ({"pairs.jsonl": PAIRS},
+        [*TEXT_PAIRS, "loss=cross_entropy"], ["holds text pairs", "loss=contrastive"]),
 }
 
 

@@ -9,8 +9,8 @@ from accutrain.config.train import compose
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.errors import UserError
-from conftest import (RUN, TINY, assert_identical, assert_one_line_user_error, assert_same_weights, final_weights,
-                      read_metrics, start, train_here, train_run, wait_for_steps)
+from conftest import (RUN, TINY, WAIT_S, assert_identical, assert_one_line_user_error, assert_same_weights,
+                      final_weights, read_metrics, start, train_here, train_run, wait_for_steps)
 
 # 117 samples, 3 epochs: the ramp 16 → 64 over the first half of the 351 samples, in multiples of 16.
 RAMP = ["batch_schedule=ramp", "batch_schedule.batch=[16,64]", "batch_schedule.at=[0,0.5]"]
@@ -110,7 +110,7 @@ def test_killed_mid_ramp_and_resumed_ends_bit_identical(slow):
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", 4, proc)  # the ramp runs over the first 11 windows
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=120)
+    proc.wait(timeout=WAIT_S)
     resumed, out = train_run(slow, "killed", *args, "resume=auto")
     assert "resumed from" in out.stderr
     assert_identical(final_weights(resumed), final_weights(reference))

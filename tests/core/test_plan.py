@@ -68,3 +68,12 @@ def test_start_up_lines():
     lines = plan().describe()
     assert lines[0] == "effective batch 32 = micro_batch 8 × accum 4 × devices 1"
     assert "4 optimizer steps per epoch (3 windows of 32 + 1 of 14 samples), 8 in total over 2 epochs" in lines[1]
+
+
+@pytest.mark.parametrize("micro_batch, says", [
+    (64, "2 optimizer steps per epoch (1 window of 64 + 1 of 46 samples), 4 in total over 2 epochs"),
+    (128, "1 optimizer step per epoch (1 window of all 110 samples), 2 in total over 2 epochs"),
+    (110, "1 optimizer step per epoch (1 window of 110), 2 in total over 2 epochs"),
+])
+def test_start_up_lines_count_in_the_singular_where_there_is_one(micro_batch, says):
+    assert says in plan(micro_batch=micro_batch, accum=1).describe()[1]

@@ -76,3 +76,11 @@ def test_it_differs_from_the_token_mean_and_weighs_each_sequence_alike():
     assert not torch.allclose(per_sequence, tokens)
     short = SummedLoss(True, -100, True, per_sequence=True)(logits[:1], labels[:1])  # one target: its token's loss
     assert torch.allclose(short, F.cross_entropy(logits[:1, :, 0], labels[:1, 1]))
+
+
+@pytest.mark.parametrize("normalize, shift, monitored", [
+    (Normalize.sequences, True, "val_loss"), (Normalize.tokens, True, "val_loss"), (Normalize.samples, False, "val_acc"),
+])
+def test_a_language_model_follows_its_loss_however_it_is_normalised(normalize, shift, monitored):
+    """trainer.monitor=auto: a per-sequence mean over tokens is still a language model's loss, not a classifier's."""
+    assert make_loss(normalize, -100, shift).monitor == monitored

@@ -18,9 +18,9 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
-from conftest import (run_of, RUN, TINY, assert_identical, assert_one_line_error, assert_one_line_user_error,
-                      assert_same_weights, final_weights, read_metrics, run_cli, start, train_here, train_run,
-                      wait_for_steps)
+from conftest import (assert_identical, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
+                      final_weights, read_metrics, RUN, run_cli, run_of, start, TINY, train_here, train_run,
+                      wait_for_steps, WAIT_S)
 
 # 110 samples = windows of 32, 32, 32 and 14: micro_batch=8 leaves a micro-batch of 6, devices=2 a rank with less.
 # grad_clip would show a per-micro-batch clip; label smoothing and MixUp's soft targets go through the summed loss.
@@ -223,7 +223,7 @@ def test_sigkilled_augmented_and_mixed_run_resumes_bit_identical(slow):
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", random.Random().randint(2, 10), proc)
     proc.kill()
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     resumed, out = train_run(slow, "killed", *args, "resume=auto")
     assert "resumed from" in out.stderr
     assert_identical(final_weights(resumed), final_weights(reference))

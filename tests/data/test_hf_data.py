@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from accutrain.data.chat import encode_chat, render
+from accutrain.data.chat import encode_conversation
+from accutrain.data.template import chat_template, render_bytes as render
 from accutrain.data.hf_data import hf_data
 from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
@@ -87,8 +88,8 @@ def test_the_exported_byte_tokenizer_renders_the_same_chat(tmp_path):
     for generation in (False, True):
         assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation) == \
             render(messages, generation)
-    ours = encode_chat([messages], ByteTokenizer(), -100, "bytes", "x")
-    theirs = encode_chat([messages], fast, -100, "exported", "x")
+    ours = encode_conversation(chat_template(ByteTokenizer(), "bytes"), messages, -100, "x")
+    theirs = encode_conversation(chat_template(fast, "exported"), messages, -100, "x")
     assert ours == theirs
 
 
@@ -100,7 +101,7 @@ def test_missing_columns_records_without_an_assistant_and_uncached_names_are_one
     lonely = [{"messages": [{"role": "user", "content": "hello?"}]}] * 4
     with pytest.raises(UserError) as info:
         hf_data(str(write_jsonl(tmp_path / "lonely.jsonl", lonely)), **common(tmp_path))
-    assert_one_line_user_error(info.value, "record 0 has no assistant turn (roles: user)")
+    assert_one_line_user_error(info.value, "lonely.jsonl:1 has no assistant turn (roles: user)")
     with pytest.raises(UserError) as info:  # HF_HUB_OFFLINE=1 (conftest): nothing cached under that name
         hf_data("accutrain-tests/no-such-dataset", **common(tmp_path))
     assert_one_line_user_error(info.value, "data.train=accutrain-tests/no-such-dataset could not be loaded",
@@ -126,3 +127,115 @@ def test_a_chat_run_with_lora_takes_the_same_steps_under_any_split(tmp_path):
     for key, value in final_weights(big).items():
         torch.testing.assert_close(final_weights(acc)[key], value, rtol=1e-5, atol=1e-6)
     assert [r["elements"] for r in read_metrics(acc)[0]] == [r["elements"] for r in read_metrics(big)[0]]
+
+
+def test_a_bad_record_is_named_by_its_line_in_the_file(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    lines = [json.dumps(good)] * 12 + [""] + [json.dumps(good)] * 3  # a blank line: rows and lines part ways
+    for bad, fragment in (({"role": "user", "content": None}, "(user) has content null"),
+                          ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
+                           "content part of type 'image_url'"),
+                          ({"role": "robot", "content": "x"}, 'has role "robot"')):
+        record = {"messages": [bad, {"role": "assistant", "content": "ok"}]}
+        path = tmp_path / "chat.jsonl"
+        path.write_text("\n".join(lines[:15] + [json.dumps(record)] + lines[15:]) + "\n")  # line 16, row 14
+        with pytest.raises(UserError) as info:
+            hf_data(str(path), **common(tmp_path))  # held out or not, the record is named by its line
+        assert_one_line_user_error(info.value, f"{path}:16, message 0", fragment)
+    table = datasets.Dataset.from_list([good] * 5 + [{"messages": [{"role": "user", "content": "x"}]}])
+    table.to_parquet(str(tmp_path / "chat.parquet"))  # no lines: its row, from 0
+    with pytest.raises(UserError) as info:
+        hf_data(str(tmp_path / "chat.parquet"), **common(tmp_path))
+    assert_one_line_user_error(info.value, f"row 5 of {tmp_path / 'chat.parquet'} has no assistant turn")
+
+
+def test_records_max_length_leaves_untrained_are_counted_dropped_and_listed(tmp_path):
+    from conftest import captured_log
+
+    long = [{"messages": [{"role": "system", "content": "Context. " * 12}, {"role": "user", "content": f"{i}?"},
+                          {"role": "assistant", "content": f"{i}!"}]} for i in range(10)]
+    records = [r for pair in zip(CHATS, long) for r in pair]  # every other record: its answer beyond 64 tokens
+    path = write_jsonl(tmp_path / "mixed.jsonl", records)
+    with captured_log() as log:
+        data = hf_data(str(path), **common(tmp_path))
+    line = next(line for line in log.getvalue().splitlines() if "records read" in line)
+    assert line == (f"data.train={path}: 20 records read, 5 held out, 20 truncated at data.max_length=64, 10 left "
+                    "with no trained token and dropped (listed in train.log)")
+    assert len(data.train) + len(data.val) == 10  # the rest are trained on
+    for split in (data.train, data.val):
+        assert all((split[i]["labels"][1:] != -100).any() for i in range(len(split)))
+    dropped = [line for line in log.getvalue().splitlines() if line.startswith("data.train: dropped ")]
+    assert dropped == [f"data.train: dropped {path}:{n}: no trained token left (data.max_length=64)"
+                       for n in range(2, 21, 2)]  # every other line of the file, whether held out or not
+    with pytest.raises(UserError) as info:
+        hf_data(str(path), truncation="error", **common(tmp_path))
+    assert_one_line_user_error(info.value, "10 records are left with no trained token at data.max_length=64",
+                               f"{path}:2, {path}:4", "data.truncation=drop")
+    with pytest.raises(UserError) as info:
+        hf_data(str(path), truncation="keep", **common(tmp_path))
+    assert_one_line_user_error(info.value, "data.truncation=keep is not valid")
+
+
+@pytest.mark.slow
+def test_bad_records_and_too_long_samples_are_refused_before_the_run_directory(tmp_path):
+    from conftest import run_cli, assert_one_line_error
+
+    records = CHATS[:6] + [{"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]}]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    gpt2 = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "+model.config.n_layer=1", "+model.config.n_head=2",
+            "+model.config.n_embd=16", "+model.config.n_positions=256", "data=hf", f"data.cache_dir={tmp_path / 'c'}"]
+    proc = run_cli(*gpt2, f"data.train={path}", "data.max_length=128", f"hydra.run.dir={tmp_path / 'bad'}",
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, f"{path}:7, message 0 (user) has content null")
+    write_jsonl(path, CHATS)
+    proc = run_cli(*gpt2, f"data.train={path}", "data.max_length=1024", f"hydra.run.dir={tmp_path / 'long'}",
+                   cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "data.max_length=1024 is more than the model's 256 positions (n_positions)")
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "long").exists()
+
+
+def test_items_are_read_from_arrow_files_and_pack_as_data_texts(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    held = {}
+    for words in (2, 60):  # short records and records 30 times as long: the same bookkeeping in memory
+        records = [{"text": " ".join(f"w{i % 7}" for _ in range(words)) + f" {i}"} for i in range(400)]
+        path = write_jsonl(tmp_path / f"lm{words}.jsonl", records)
+        data = hf_data(str(path), **{**common(tmp_path), "max_length": 512})
+        arrays = [v for v in vars(data.train).values() if isinstance(v, np.ndarray)]
+        held[words] = sum(a.nbytes for a in arrays), len(pickle.dumps(data.train))
+        assert held[words][0] <= 16 * len(data.train)  # a row and a length per record, never its tokens
+        assert data.train.table.cache_files  # the tokens stay in the memory-mapped files Dataset.map wrote
+    assert held[2][0] == held[60][0] and held[60][1] < held[2][1] + 1000
+    path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    for packing in (True, "concat"):
+        text = text_data(str(path), None, 0.25, "bytes", 40, packing, "longest", "text", "prompt", "response",
+                         "label", 0)
+        data = hf_data(str(path), **{**common(tmp_path), "max_length": 40, "packing": packing})
+        assert [{k: v.tolist() for k, v in data.train[i].items()} for i in range(len(data.train))] == \
+            [{k: v.tolist() for k, v in text.train[i].items()} for i in range(len(text.train))], packing
+        assert data.train.lengths().tolist() == [len(text.train[i]["input_ids"]) for i in range(len(text.train))]
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_the_records_truncation_leaves_trained(tmp_path):
+    long = [{"messages": [{"role": "system", "content": "Context. " * 12}, {"role": "user", "content": f"{i}?"},
+                          {"role": "assistant", "content": f"{i}!"}]} for i in range(10)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", [r for pair in zip(CHATS, long) for r in pair])
+    run, log = train_here(tmp_path, "run", "model=hf_causal_lm", "+model.config.model_type=gpt2",
+                          "+model.config.n_layer=1", "+model.config.n_head=2", "+model.config.n_embd=16",
+                          "+model.config.n_positions=64", "data=hf", f"data.train={path}", "data.max_length=64",
+                          "data.val_fraction=0.25",
+                          f"data.cache_dir={tmp_path / 'cache'}", "micro_batch=2", "accum=2", "trainer.epochs=2",
+                          "trainer.progress=false")
+    assert "20 records read, 5 held out, 20 truncated at data.max_length=64, 10 left with no trained token and " \
+           "dropped" in log
+    import re
+
+    kept = int(re.search(r"(\d+) training samples", log).group(1))
+    assert 5 <= kept < 15  # of the 15 records not held out, those that keep a trained token
+    assert all(r["elements"] > 0 for r in read_metrics(run)[0])

@@ -12,8 +12,8 @@ import yaml
 
 from accutrain.errors import UserError
 from accutrain.signals import StopRequest
-from conftest import (ONE_THREAD, RUN, TINY, assert_identical, assert_one_line_user_error, cli_command, final_weights,
-                      run_cli, train_here)
+from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, WAIT_S, assert_identical, assert_one_line_user_error,
+                      cli_command, final_weights, run_cli, train_here)
 
 
 def test_every_preemption_signal_asks_for_a_stop_after_the_step():
@@ -67,7 +67,7 @@ def test_a_preempted_submitit_job_is_requeued_and_ends_with_the_uninterrupted_we
                              *args, "+model.delay=0.03", "seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     job = sweep / "0"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = job / "metrics.jsonl"
         if metrics.exists() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= 4:
@@ -75,7 +75,7 @@ def test_a_preempted_submitit_job_is_requeued_and_ends_with_the_uninterrupted_we
         time.sleep(0.01)
     pid = json.loads((job / "status.json").read_text())["pid"]
     os.kill(pid, signal.SIGUSR2)  # what SLURM sends before the time limit (submitit's preemption signal)
-    assert proc.wait(timeout=300) == 0, (tmp_path / "sweep.log").read_text()
+    assert proc.wait(timeout=COMMAND_S) == 0, (tmp_path / "sweep.log").read_text()
     train_log = (job / "train.log").read_text()
     assert "submitit requeues this job" in train_log and "requeued after a preemption: resuming" in train_log
     assert json.loads((job / "status.json").read_text())["state"] == "completed"

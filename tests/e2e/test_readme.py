@@ -1,26 +1,24 @@
 """The commands of the README and of the manual's pages (docs/*.md) work as printed: every command in their code
 blocks (and in their inline code) is split into words by bash, as a user's shell would, and run — those that train
-with small sizes appended — except the few listed in SKIPPED, each with its reason. docs/benchmarks.md is the record
-of measurements (benchmark scripts of minutes, GPU runs), not a page of the manual: its commands are not run here.
-The quick start is also what CI runs."""
+with small sizes appended — except the few listed in SKIPPED, each with its reason, from a folder holding a copy of
+the repository's examples/ (the files the pages name). torchrun's commands and the cluster recipes run in
+tests/e2e/test_recipes.py, with a simulated scheduler. docs/benchmarks.md is the record of measurements (benchmark
+scripts of minutes, GPU runs), not a page of the manual: its commands are not run here. The quick start is also what
+CI runs."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ONE_THREAD
+from conftest import COMMAND_S, ONE_THREAD
+from docs_blocks import ROOT, all_commands, fenced_blocks, paged_commands, unknown_blocks, words
 
-ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-# The pages whose commands are run: the README first, then the manual's pages by name. Not docs/benchmarks.md: it
-# records how each figure was measured — benchmark scripts of minutes (python scripts/bench_*.py) and runs on a GPU
-# (accutrain trainer.device=cuda, compiled runs timed there) — which scripts/gpu_check.sh reruns where a GPU is.
-NOT_RUN = {"benchmarks.md"}
-PAGES = [ROOT / "README.md"] + [page for page in sorted((ROOT / "docs").glob("*.md")) if page.name not in NOT_RUN]
 
 # Commands not run here, by how they begin, and why.
 SKIPPED = {
@@ -28,6 +26,9 @@ SKIPPED = {
                    "(test_ci_runs_the_readme_install_and_test_commands)",
     "pytest": "the test suite itself",
     "torchrun --nnodes 2": "needs several machines",
+    "torchrun --standalone": "starts its own processes: tests/e2e/test_recipes.py runs it",
+    "docker build": "builds an image (needs Docker and the network): tests/e2e/test_packaging.py builds and runs "
+                    "accutrain from the files the Dockerfile copies",
     "accutrain data=cifar10": "downloads CIFAR-10: needs the internet",
     "accutrain -m hydra/launcher=slurm_gpu": "needs a SLURM cluster with GPUs",
     "accutrain -m hydra/launcher=slurm_multi": "needs a SLURM cluster with GPUs: tests/parallel/test_scheduler.py "
@@ -43,6 +44,8 @@ SKIPPED = {
     "python scripts/bench_memory.py": "a benchmark of minutes (its figures are in docs/memory.md)",
     "accutrain model=hf_causal_lm model.name_or_path=gpt2": "downloads GPT-2: needs the internet",
     "accutrain model=hf_seq_cls model.name_or_path=distilbert": "downloads DistilBERT: needs the internet",
+    "accutrain model=hf_encoder model.name_or_path=BAAI": "downloads an embedding model: needs the internet (and a "
+                                                          "GPU); tests/train/test_embeddings.py trains a tiny one",
     "tensorboard --logdir": "a web server: tests/report/test_trackers.py reads the event files with TensorBoard's "
                             "reader",
     "mlflow ui": "a web server: tests/report/test_trackers.py reads the runs back with MlflowClient",
@@ -53,54 +56,6 @@ SMALL_MODEL = ["model=mlp", "model.hidden=[16]"]
 SMALL_DATA = ["data=synthetic", "data.size=64", "data.val_size=16", "data.image_size=8", "data.channels=1"]
 # An Optuna search runs this many trials here, whatever the command asks: each trial is one more run of the same code.
 TRIALS = "hydra.sweeper.n_trials=3"
-PLACEHOLDER = re.compile(r"[<>…]|\bDIR\b")
-
-MYMODELS = """
-import torch.nn as nn
-
-class Net(nn.Module):  # the README's `model=custom model._target_=mymodels.Net +model.depth=4`
-    def __init__(self, num_classes, in_channels, image_size, depth=2):
-        super().__init__()
-        width = in_channels * image_size ** 2
-        self.body = nn.Sequential(nn.Flatten(), *[nn.Sequential(nn.Linear(width, width), nn.ReLU())
-                                                  for _ in range(depth)], nn.Linear(width, num_classes))
-
-    def forward(self, x):
-        return self.body(x)
-"""
-
-MYDATA = """
-import torch
-from accutrain.data.datasets import Datasets, InMemory
-
-def make(size, seed, val_size=32, **_):  # the README's `data=custom data._target_=mydata.make +data.size=1000`
-    g = torch.Generator().manual_seed(seed)
-    def split(n):
-        x = torch.randn(n, 1, 8, 8, generator=g)
-        return InMemory(x, (x.mean(dim=(1, 2, 3)) > 0).long())
-    return Datasets(split(size), split(val_size), 2, (1, 8, 8), f"two classes by sign ({size} samples)")
-"""
-
-MYLOSSES = """
-def cubic(output, target):  # docs/losses.md's `loss=custom loss._target_=mylosses.cubic`: a loss per element
-    return (output - target).abs().pow(3)
-"""
-
-
-def pairs(n: int = 40) -> str:
-    """`data.train=pairs.jsonl` for the README's tiny GPT-2: "12 plus 7 is " → "19." pairs."""
-    return "".join(json.dumps({"prompt": f"{a} plus {b} is ", "response": f"{a + b}."}) + "\n"
-                   for a, b in ((i % 13, i % 7) for i in range(n)))
-
-
-def chats(n: int = 40) -> str:
-    """`data.train=chat.jsonl` for docs/finetune.md: conversations of one or two assistant turns."""
-    def conversation(a: int, b: int) -> list[dict]:
-        turns = [{"role": "user", "content": f"{a} plus {b}?"}, {"role": "assistant", "content": f"{a + b}."}]
-        more = [{"role": "user", "content": "sure?"}, {"role": "assistant", "content": "yes"}] if a % 3 else []
-        return turns + more
-    return "".join(json.dumps({"messages": conversation(i % 13, i % 7)}) + "\n" for i in range(n))
-
 
 # Runs every command in one Python process (each as its console script would: accutrain.cli.main.main with sys.argv),
 # so that the imports are paid once; records each one's exit code and what it printed on stderr.
@@ -134,67 +89,24 @@ if __name__ == "__main__":  # not again in the worker processes that devices=2 s
 """
 
 
-def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """(language, body) of each ``` block."""
-    return re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
-
-
-def commands(text: str) -> list[tuple[str, int, str]]:
-    """(command, expected exit code, expected error line or ""): every line of a bash block (comments dropped,
-    continuations joined) and every `$ ` line of an output block (with the exit code and error line printed below
-    it), in the README's order; then the indented examples, and inline code that is a whole command."""
-    found = []
-    for language, body in fenced_blocks(text):
-        if language == "bash":
-            for line in body.replace("\\\n", " ").splitlines():
-                if line.split("#", 1)[0].strip():
-                    found.append((" ".join(line.split("#", 1)[0].split()), 0, ""))
-            continue
-        for chunk in re.split(r"^\$ ", body, flags=re.M)[1:]:
-            command, *output = re.sub(r"\\\n\s*", " ", chunk).splitlines()
-            code = re.search(r"^exit code (\d+)$", chunk, flags=re.M)
-            error = next((line for line in output if ": error: " in line), "")
-            found.append((command.strip(), int(code.group(1)) if code else (2 if error else 0), error))
-    outside = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    found += [(line.strip(), 0, "") for line in re.findall(r"^    (accutrain .*)$", outside, flags=re.M)]
-    found += [(" ".join(span.split()), 0, "") for span in re.findall(r"`(accutrain[- ][^`]*[=/][^`]*)`", outside)
-              if not PLACEHOLDER.search(span)]
-    return found
-
-
-def all_commands() -> list[tuple[str, int, str]]:
-    """commands() of every page in PAGES, in that order (so within a page a command that prepares another, such as
-    the checkpoint a `resume=outputs/…` names, still comes first)."""
-    return [found for _, found in paged_commands()]
-
-
-def paged_commands() -> list[tuple[Path, tuple[str, int, str]]]:
-    return [(page, found) for page in PAGES for found in commands(page.read_text())]
-
-
 def manual_sweep(page: Path, command: str) -> bool:
-    """A sweep (`accutrain -m …`) of a manual page: several runs per command, run by the long tier only (the README's
-    own sweeps and every single-run command run every time)."""
-    return page.name != "README.md" and command.startswith("accutrain -m ")
+    """A sweep (`accutrain -m …`) of a manual page, or a report of the sweeps it wrote: several runs per command, run
+    by the long tier only (the README's own sweeps and every single-run command run every time)."""
+    return page.name != "README.md" and command.startswith(("accutrain -m ", "accutrain-report multirun/"))
 
 
 def skipped(command: str) -> str:
     return next((why for start, why in SKIPPED.items() if command.startswith(start)), "")
 
 
-def words(command: str, home: Path) -> list[str]:
-    """The arguments bash passes for `command` (quotes removed; a `~` after `key=` left as it is)."""
-    out = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, check=True,
-                         env={"HOME": str(home), "PATH": os.environ["PATH"]}).stdout
-    return out.split("\0")[:-1]
-
-
-def shortened(argv: list[str], index: int) -> list[str]:
-    """A training command with small sizes and its own run (or sweep) directory appended, unless it gives them."""
+def shortened(argv: list[str], index: int, written: set[str]) -> list[str]:
+    """A training command with small sizes and its own run (or sweep) directory appended, unless it gives them — or,
+    for `resume=auto` in a run directory an earlier command wrote (`written`), the sizes that run recorded."""
     if argv[0] != "accutrain":
         return argv
     keys = {a.split("=", 1)[0].lstrip("+") for a in argv[1:]}
-    chosen = keys & {"experiment", "debug"}
+    continued = "resume=auto" in argv and any(f"hydra.run.dir={d}" in argv for d in written)
+    chosen = keys & {"experiment", "debug"} or continued
     extra = list(SHORT)
     if not chosen and "model" not in keys:
         extra += SMALL_MODEL
@@ -215,6 +127,38 @@ def test_the_readme_lists_its_commands_and_skips_only_those_named():
     assert "accutrain model=resnet18 micro_batch=8 accum=4" in found
     assert "accutrain-check micro_batch=8 accum=4" in found
     assert {start for start in SKIPPED} <= {start for c in found for start in SKIPPED if c.startswith(start)}
+
+
+def test_every_block_is_commands_a_recipe_or_something_to_read():
+    """A block in a language the docs tests do not run (an sh or yaml block that is no recipe they know) would be
+    a command nobody runs."""
+    assert not unknown_blocks()
+
+
+def table_cells(row: str) -> list[str]:
+    """The cells of a table row (`|` inside code spans and `\\|` do not separate), with what lies outside the outer
+    bars as cells too: a row must begin and end with one."""
+    parts = re.split(r"(?<!\\)\|", re.sub(r"`[^`]*`", "code", row.strip()))
+    return parts[1:] if parts[-1].strip() else parts[1:-1]
+
+
+def test_the_walk_throughs_chat_template_is_the_example_file():
+    """docs/finetune.md prints examples/reasoning.jinja, the template its reasoning example runs with, as it is."""
+    printed = [body for language, body in fenced_blocks((ROOT / "docs" / "finetune.md").read_text())
+               if language == "jinja"]
+    assert printed == [(ROOT / "examples" / "reasoning.jinja").read_text()]
+
+
+def test_the_pages_tables_are_whole():
+    """Every row of every table of the README and docs/*.md has its header's number of cells (a row that swallowed
+    the paragraph after it has one more)."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for table in re.findall(r"(?:^\|.*\n)+", text, flags=re.M):
+            header, *rows = table.splitlines()
+            broken += [f"{page.name}: {row}" for row in rows if len(table_cells(row)) != len(table_cells(header))]
+    assert not broken, "\n".join(broken)
 
 
 def anchor(heading: str) -> str:
@@ -252,17 +196,13 @@ def test_every_readme_command_works_as_printed(tmp_path, sweeps):
     home = tmp_path / "home"
     make_image_folder(home / "pets")  # `data.root=~/pets`
     work = tmp_path / "work"
-    work.mkdir()
-    (work / "mymodels.py").write_text(MYMODELS)
-    (work / "mydata.py").write_text(MYDATA)
-    (work / "mylosses.py").write_text(MYLOSSES)
-    (work / "pairs.jsonl").write_text(pairs())
-    (work / "chat.jsonl").write_text(chats())
-    runs, expected = [], []
+    shutil.copytree(ROOT / "examples", work / "examples")  # the pages' files, where they say they are
+    runs, expected, written = [], [], set()
     for index, (page, (command, code, error)) in enumerate(paged_commands()):
         if skipped(command) or command in [c for c, _, _ in expected] or manual_sweep(page, command) != sweeps:
             continue
-        argv = shortened(words(command, home), index)
+        argv = shortened(words(command, home), index, written)
+        written |= {a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")}
         assert argv[0] in ("accutrain", "accutrain-check", "accutrain-report"), command
         named = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=outputs/")), None)
         if named:  # the checkpoint the README names: the one `accutrain trainer.checkpoint_every=200` wrote
@@ -273,17 +213,21 @@ def test_every_readme_command_works_as_printed(tmp_path, sweeps):
     (tmp_path / "commands.json").write_text(json.dumps([argv for argv, _ in runs]))
     env = {**os.environ, **ONE_THREAD, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "commands.json"), str(tmp_path / "out.json")],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=work, env=env, capture_output=True, text=True,
+                          timeout=2 * COMMAND_S)  # every command of the pages, one after the other
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads((tmp_path / "out.json").read_text())
     for (command, code, error), result in zip(expected, results):
         assert result["exit"] == code, f"{command}: exit {result['exit']}\n{result['stderr'][-3000:]}"
         assert "Traceback" not in result["stderr"], f"{command}:\n{result['stderr'][-3000:]}"
-        if error:  # the error line as the README prints it (up to its "…")
-            assert error.split("…")[0].rstrip(", ") in result["stderr"], f"{command}:\n{result['stderr']}"
+        if error:  # the error line as the README prints it (up to its "…"; a log line's time aside)
+            line = re.sub(r"^\[[\d:]+\] ", "", error).split("…")[0].rstrip(", ")
+            assert line in result["stderr"], f"{command}:\n{result['stderr']}"
     assert len(results) == len(expected)
-    for run in (work / "outputs").glob("readme-*"):  # every single run finished
-        assert json.loads((run / "status.json").read_text())["state"] == "completed", run
+    succeeded = {index for (_, index), (_, code, _) in zip([r for r in runs if r[1] is not None], expected) if not code}
+    for run in (work / "outputs").glob("readme-*"):  # every single run that should succeed finished
+        if int(run.name.split("-")[1]) in succeeded:
+            assert json.loads((run / "status.json").read_text())["state"] == "completed", run
 
 
 def quick_start_commands() -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from accutrain.run import malloc
-from conftest import ONE_THREAD, TINY, cli_command, train_run
+from conftest import COMMAND_S, ONE_THREAD, TINY, cli_command, train_run
 
 COLUMNS, ROWS = 120, 40
 CSI = re.compile(r"\x1b\[([?0-9;]*)([A-Za-z])")
@@ -25,7 +25,7 @@ TIMESTAMP = re.compile(r"\[\d\d:\d\d:\d\d\]")
 BAR = re.compile(r"\d+%\||\d+/\d+ \[|step/s|█")
 
 
-def run_in_terminal(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, bytes]:
+def run_in_terminal(args: list[str], cwd: Path, timeout: float = COMMAND_S) -> tuple[int, bytes]:
     """Run the command with a pseudo-terminal of COLUMNS × ROWS as its stdin, stdout and stderr: (exit code, every
     byte it wrote)."""
     master, slave = os.openpty()

@@ -16,8 +16,8 @@ from accutrain.signals import StopRequest
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (run_of, EXACT, NAN_DATA, RUN, TINY, assert_identical, assert_one_line_user_error, final_weights,
-                      read_metrics, start, train_here, train_run, wait_for_steps)
+from conftest import (assert_identical, assert_one_line_user_error, EXACT, final_weights, NAN_DATA, read_metrics, RUN,
+                      run_of, start, TINY, train_here, train_run, wait_for_steps, WAIT_S)
 
 
 def test_one_update_is_the_formula_and_buffers_follow_timm():
@@ -123,7 +123,7 @@ def test_killed_run_with_the_average_best_checkpoint_and_early_stopping_resumes_
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", 5, proc)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=120)
+    proc.wait(timeout=WAIT_S)
     resumed, proc = train_run(slow, "killed", *args, "resume=auto")
     assert "resumed from" in proc.stderr and "early stopping after optimizer step 10" in proc.stderr
     assert_identical(final_weights(resumed), final_weights(reference))

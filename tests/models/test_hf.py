@@ -163,7 +163,7 @@ def test_export_loads_back_with_from_pretrained_and_checkpoints_have_plain_keys(
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, bare(ids).logits)
     assert "tokens/s" in log and "ppl" in log and "val_ppl" in log and "259 tokens in the vocabulary" in log
-    assert re.search(r"done: .* samples seen, [\d.]+ s \(\d+ samples/s, \d+ tokens/s\)", log)
+    assert re.search(r"done: .* samples seen in [\d.]+ s: \d+ samples/s \(\d+ tokens/s\) overall", log)
     evals = read_metrics(run_dir)[1]
     assert evals[-1]["val_ppl"] == pytest.approx(torch.tensor(evals[-1]["val_loss"]).exp().item(), rel=1e-6)
     assert all("tokens_per_s" in r and "ppl" in r for r in read_metrics(run_dir)[0])
@@ -366,7 +366,8 @@ def test_per_sequence_loss_is_exact_under_any_split_and_across_ranks(files, big_
     """loss.normalize=sequences: the mean over the window's sequences of each one's token mean; its |W| is the
     window's samples, so rank 1's empty last micro-step (a stand-in) adds nothing."""
     args = ("loss.normalize=sequences",)
-    big, _ = train_here(tmp_path, "big", *lm(files, *args, "micro_batch=16"))
+    big, log = train_here(tmp_path, "big", *lm(files, *args, "micro_batch=16"))
+    assert "best val_loss" in log  # trainer.monitor=auto: a language model's loss, per sequence too
     acc, _ = train_here(tmp_path, "acc", *lm(files, *args, "micro_batch=4", "accum=4"))
     two, _ = train_here(tmp_path, "two", *lm(files, *args, "devices=2", "micro_batch=4", "accum=2"))
     assert_same_weights(final_weights(acc), final_weights(big))

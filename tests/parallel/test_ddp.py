@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from accutrain.errors import UserError
-from conftest import (TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, run_cli, start, train_here, train_run, wait_for_steps)
+from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, TINY_DATA, WAIT_S, assert_one_line_error,
+                      assert_one_line_user_error, assert_same_weights, cli_command, final_weights, read_metrics,
+                      run_cli, start, train_here, train_run, wait_for_steps)
 
 # 117 samples = 3 windows of 32 + one of 21. With devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0: in the
 # last micro-step rank 0 has 5 samples and rank 1 none, and the all-reduce must neither hang nor be biased.
@@ -59,12 +60,11 @@ def test_a_failing_rank_ends_every_rank_with_its_error(tmp_path):
         "            if self.calls == 3:\n"
         "                raise RuntimeError('boom on rank 1')\n"
         "        return self.fc(x.flatten(1))\n")
-    start = time.monotonic()
     _, proc = train_run(tmp_path, "boom", *TINY_DATA, "model=custom", "model._target_=boom.Net", "devices=2",
                         "micro_batch=4", "accum=2", check=False)
     assert proc.returncode != 0
     assert "rank 1 of 2 failed (RuntimeError: boom on rank 1); every rank stopped" in proc.stderr
-    assert time.monotonic() - start < 120  # rank 0, waiting in the all-reduce, was stopped: no hang
+    # rank 0, waiting in the all-reduce, was stopped: no hang (which train_run's timeout would end)
 
 
 def test_a_user_error_on_the_ranks_is_one_line(tmp_path):
@@ -99,13 +99,13 @@ def test_multirun_jobs_launch_their_own_workers(tmp_path):
     assert_same_weights(final_weights(jobs[0]), final_weights(jobs[1]))
 
 
-@pytest.mark.long  # torchrun's variables form the world in test_scheduler's runs, every run
+@pytest.mark.long  # torchrun's world trains on 2 ranks in test_recipes, every run; this one compares its weights
 def test_torchrun_world_equals_the_spawned_one(tmp_path):
     args = [*UNEVEN, "trainer.epochs=1", "micro_batch=8", "accum=2"]
     spawned, _ = train_here(tmp_path, "spawned", *args, "devices=2")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "accutrain", *args, "devices=auto", f"hydra.run.dir={tmp_path / 'torchrun'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           "-m", "accutrain", *args, f"hydra.run.dir={tmp_path / 'torchrun'}"],  # devices: the default
+                          cwd=tmp_path, capture_output=True, text=True, timeout=COMMAND_S)
     assert proc.returncode == 0, proc.stderr
     assert "× devices 2" in proc.stderr and "launching" not in proc.stderr  # the world came from torchrun
     assert_same_weights(final_weights(tmp_path / "torchrun"), final_weights(spawned))
@@ -117,7 +117,7 @@ def test_torchrun_with_devices_disagreeing_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "accutrain", *TINY, "data.size=40", "devices=3",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=COMMAND_S)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if "devices=3 but torchrun started 2 processes" in line]
     assert sorted(line.startswith("[rank 1]") for line in ours) == [False, True], proc.stderr  # once per rank
@@ -175,8 +175,8 @@ def test_a_command_killed_outright_leaves_no_rank_training(tmp_path):
     below = descendants(proc.pid)
     assert len(below) >= 2, below  # the fork server and the ranks (at least the ranks)
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
-    deadline = time.monotonic() + 30
+    assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
+    deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and any(alive(p) for p in below):
         time.sleep(0.1)
     assert not [p for p in below if alive(p)], "ranks outlived the command"
@@ -216,7 +216,7 @@ def test_a_rank_killed_outright_ends_the_run_in_one_line_naming_it(tmp_path):
     others = [rank for rank in ranks if not holds_open(rank, run_dir / "metrics.jsonl")]  # rank 0 writes it
     assert len(ranks) == 2 and len(others) == 1, ranks
     os.kill(others[0], signal.SIGKILL)
-    assert proc.wait(timeout=120) == 1
+    assert proc.wait(timeout=WAIT_S) == 1
     output = (tmp_path / "run.log").read_text()
     assert "Traceback" not in output and "then checkpointing" not in output and "leaked" not in output, output
     errors = [line for line in output.splitlines() if "error:" in line]
@@ -224,3 +224,21 @@ def test_a_rank_killed_outright_ends_the_run_in_one_line_naming_it(tmp_path):
     assert "resume=auto continues from its newest checkpoint" in errors[0]
     record = json.loads((run_dir / "status.json").read_text())
     assert record["state"] == "failed" and "rank 1 of 2 was killed by SIGKILL" in record["error"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_once_after_a_checkpoint(slow):
+    """Ctrl-C in a terminal signals every process of the command's group. The ranks have a session of their own, as
+    torchrun's do: the command passes the signal on once, so the ranks stop together after the step and checkpoint —
+    none takes the terminal's copy for a second Ctrl-C and leaves the others in a collective (a traceback)."""
+    tmp_path = slow
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen([*cli_command(), *RUN, "+model.delay=0.05", "devices=2",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+    wait_for_steps(tmp_path / "run", 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the command, its fork server, not the ranks
+    assert proc.wait(timeout=WAIT_S) == 128 + signal.SIGINT
+    output = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in output and "stopped by SIGINT after optimizer step" in output, output
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "interrupted"

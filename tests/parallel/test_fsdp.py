@@ -17,8 +17,8 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.parallel.state_dicts import by_index, by_name
 from accutrain.report.summary import write_report
-from conftest import (run_of, TINY, assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, start,
-                      train_here, train_run, wait_for_steps)
+from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, run_of, start,
+                      TINY, train_here, train_run, wait_for_steps, WAIT_S)
 
 # Linear(64, 33) shards unevenly over 2 ranks (17 + 16 rows); no dropout or BatchNorm, so the step is exact; the
 # delay (numerics untouched) lets a kill land mid-run.
@@ -100,7 +100,7 @@ def test_fsdp_is_the_big_batch_and_resumes_bit_identical_after_sigkill(net, sync
     proc = start(net, "killed", *args, "+model.delay=0.02")
     wait_for_steps(net / "killed", kill_after, proc)
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     resumed, _ = train_here(net, "killed", *args, "resume=auto")
     assert [r["step"] for r in read_metrics(resumed)[0]] == list(range(1, 13))  # resumed, not restarted
     again = saved(resumed)

@@ -14,8 +14,8 @@ from accutrain import dist
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.run.scheduler import PORTS, adopt_scheduler_world, first_host, slurm_world
-from conftest import (ONE_THREAD, RUN, TINY, assert_identical, assert_one_line_error, assert_same_weights, cli_command,
-                      final_weights, read_metrics, train_here, wait_for_steps)
+from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, WAIT_S, assert_identical, assert_one_line_error,
+                      assert_same_weights, cli_command, final_weights, read_metrics, train_here, wait_for_steps)
 
 UNEVEN = [*TINY, "data.size=117", "trainer.epochs=1", "trainer.grad_clip=0.5", "optim.weight_decay=1e-3"]
 
@@ -27,10 +27,24 @@ def step_env(rank: int, tasks: int = 2, job: str = "4242", **more: str) -> dict:
                    SLURM_JOB_NODELIST="localhost"), **more}
 
 
-@pytest.mark.parametrize("nodelist, host", [("gpu[07-09,12],cpu3", "gpu07"), ("node1,node2", "node1"),
-                                            ("a-b-[3-4]", "a-b-3"), ("single", "single"), ("n[5]", "n5")])
+# SLURM's node lists (scontrol show hostnames expands them): hosts separated by commas outside brackets, bracket
+# groups of zero-padded numbers and ranges, anywhere in a name and several in one name.
+NODE_LISTS = [
+    ("gpu[07-09,12],cpu3", "gpu07"), ("n[001-004]-ib", "n001-ib"), ("a[1-2]b[3-4]", "a1b3"), ("node1,node2", "node1"),
+    ("a-b-[3-4]", "a-b-3"), ("single", "single"), ("n[5]", "n5"), ("rack[2,4-5]-gpu[010-012]", "rack2-gpu010"),
+    ("x[09-10]y,z[1-2]", "x09y"), ("node-001.cluster", "node-001.cluster"), (" c[3-4] ", "c3"),
+]
+
+
+@pytest.mark.parametrize("nodelist, host", NODE_LISTS)
 def test_the_first_host_of_a_node_list(nodelist, host):
     assert first_host(nodelist) == host
+
+
+@pytest.mark.parametrize("nodelist", ["", "n[1-", "a]b", ",x", "n[a-b]", "n[1-2]]"])
+def test_a_node_list_that_cannot_be_read_is_one_line(nodelist):
+    with pytest.raises(UserError, match="cannot read the node list"):
+        first_host(nodelist)
 
 
 def test_an_srun_task_becomes_a_rank_of_torchruns_world():
@@ -89,12 +103,11 @@ def srun(tmp_path, tasks: int, *args: str) -> list[subprocess.Popen]:
             for r in range(tasks)]
 
 
-@pytest.mark.long  # submitit's two-task job forms its world from SLURM's variables every run
 @pytest.mark.slow
 def test_srun_tasks_form_one_world_equal_to_one_device(tmp_path):
     args = [*UNEVEN, "micro_batch=8", "accum=2"]
     tasks = srun(tmp_path, 2, *args, f"hydra.run.dir={tmp_path / 'slurm'}")
-    outputs = [t.communicate(timeout=300) for t in tasks]
+    outputs = [t.communicate(timeout=COMMAND_S) for t in tasks]
     assert [t.returncode for t in tasks] == [0, 0], outputs
     assert "accum 2 × devices 2" in outputs[0][1] and "launching" not in outputs[0][1]  # SLURM's world, not spawned
     one, _ = train_here(tmp_path, "one", *UNEVEN, "micro_batch=8", "accum=4")
@@ -111,7 +124,7 @@ def test_srun_tasks_form_one_world_equal_to_one_device(tmp_path):
 def test_a_world_that_contradicts_the_config_is_one_line(tmp_path, args, fragment):
     task = srun(tmp_path, 2, *TINY, *args, f"hydra.run.dir={tmp_path / 'run'}")
     task[1].kill()  # rank 0 refuses before it waits for anyone
-    out, err = task[0].communicate(timeout=120)
+    out, err = task[0].communicate(timeout=WAIT_S)
     assert_one_line_error(subprocess.CompletedProcess([], task[0].returncode, out, err), fragment)
     assert not (tmp_path / "run" / "checkpoints").exists()
     task[1].wait()
@@ -126,13 +139,12 @@ def test_a_submitit_job_of_two_tasks_is_one_world(tmp_path):
     start = time.monotonic()
     proc = subprocess.run([*cli_command(), "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
                            "hydra.launcher.timeout_min=10", *args, "seed=0", f"hydra.sweep.dir={sweep}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=COMMAND_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = (sweep / "0" / "train.log").read_text()
     assert "accum 2 × devices 2" in log, log
     one, _ = train_here(tmp_path, "one", *UNEVEN, "micro_batch=8", "accum=4")
     assert_same_weights(final_weights(sweep / "0"), final_weights(one))
-    assert time.monotonic() - start < 300
 
 
 def task_pids(job_id: str) -> dict[int, int]:
@@ -161,13 +173,13 @@ def test_a_preempted_two_task_job_is_requeued_once_and_ends_with_the_uninterrupt
     proc = subprocess.Popen([*cli_command(), "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
                              "hydra.launcher.timeout_min=10", *args, "+model.delay=0.03", "seed=0",
                              f"hydra.sweep.dir={sweep}"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
-    wait_for_steps(job, 4, proc, timeout=180)
+    wait_for_steps(job, 4, proc)
     job_id = next(p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.name[0].isdigit())
     pids = task_pids(job_id)
     assert sorted(pids) == [0, 1], pids
     for pid in pids.values():  # SLURM signals every task of the job before its time limit
         os.kill(pid, signal.SIGUSR2)
-    assert proc.wait(timeout=300) == 0, (tmp_path / "sweep.log").read_text()
+    assert proc.wait(timeout=COMMAND_S) == 0, (tmp_path / "sweep.log").read_text()
     train_log = (job / "train.log").read_text()
     assert train_log.count("submitit requeues this job") == 1, train_log
     assert "requeued after a preemption: resuming" in train_log

@@ -1,4 +1,5 @@
 """accutrain-report says what the noise scale says: one line per run that measured it, and noise.png."""
+import re
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,9 @@ def test_no_line_for_a_run_that_did_not_measure_it():
 
 def test_the_report_of_a_run_that_measured_it(tmp_path):
     run_dir, log = train_here(tmp_path, "run", *TINY, "micro_batch=8", "accum=4", "trainer.noise_scale=true")
-    assert ", noise scale B_simple " in log and " at effective batch 32" in log  # the final summary line
+    said = re.search(r"^noise scale B_simple ≈ (\S+) late in training, at effective batch 32$", log, flags=re.M)
     report = write_report(run_dir)
+    assert f"B_simple ≈ {said.group(1)} late in training" in report.text  # one figure: the closing line's
     assert run_dir / "noise.png" in report.files and (run_dir / "noise.png").stat().st_size > 0
     assert "run: the effective batch 32 is" in report.text and "measured noise scale B_simple" in report.text
     assert "## The noise scale" in (run_dir / "summary.md").read_text()

@@ -8,6 +8,7 @@ import signal
 import struct
 import time
 import zlib
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 from accutrain.errors import UserError
 from accutrain.store import mark
 from accutrain.trackers import Trackers
-from conftest import run_of, SLOW_MODEL, TINY, TINY_DATA, read_metrics, run_cli, start, train_here, train_run, wait_for_steps
+from conftest import (read_metrics, run_cli, run_of, SLOW_MODEL, start, TINY, TINY_DATA, train_here, train_run,
+                      wait_for_steps, WAIT_S)
 
 # 100 samples in windows of 32: 4 optimizer steps per epoch (the last window of 4 samples), 8 over two epochs.
 SPLIT = ["data.size=100", "micro_batch=16", "accum=2"]
@@ -183,7 +185,7 @@ def test_a_killed_run_resumes_its_tensorboard_run_without_duplicate_steps(tmp_pa
     proc = start(tmp_path, "run", *args)
     wait_for_steps(tmp_path / "run", 7, proc)  # steps 5-7 are logged after the checkpoint of step 4
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
     run_dir, out = train_run(tmp_path, "run", *args, "resume=auto")
     assert "resumed from" in out.stderr
     steps, _ = read_metrics(run_dir)
@@ -299,16 +301,18 @@ def test_logger_group_composes_one_several_or_none(compose):
 def test_an_unreachable_mlflow_server_is_switched_off_in_seconds(tmp_path):
     """A tracking_uri whose server does not answer (nothing listens on port 9): one warning line at start, then the
     run trains to its end without it — MLflow's own retries would hold step 1 for minutes."""
-    began = time.monotonic()
     run_dir, proc = train_run(tmp_path, "run", *TINY, "trainer.max_steps=3", "logger=mlflow",
                               "logger.mlflow.tracking_uri=http://127.0.0.1:9")
-    took = time.monotonic() - began
     output = proc.stdout + proc.stderr
     stopped = [line for line in output.splitlines() if "tracker mlflow stopped logging" in line]
     assert len(stopped) == 1 and "logger.mlflow.tracking_uri=http://127.0.0.1:9" in stopped[0], output
     assert "Traceback" not in output and len(read_metrics(run_dir)[0]) == 3
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
-    assert took < 60, took  # the CLI's start-up included; the wait for the server is at most REACH_S (3 s)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed"
+    span = datetime.fromisoformat(status["ended"]) - datetime.fromisoformat(status["started"])
+    # the run itself (not the command's start-up) was not held by MLflow's retries, which take minutes; the margin
+    # is a loaded 2-core machine's, where these few steps take up to a minute
+    assert span.total_seconds() < 150, span
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -31,3 +31,13 @@ def test_resuming_from_best_pt_is_one_line_naming_what_to_resume_from(tmp_path):
         train(typed_run(compose(*TINY, "trainer.max_steps=4", f"resume={run_dir / 'checkpoints' / 'best.pt'}")),
               tmp_path / "again")
     assert_one_line_user_error(e.value, "best.pt", "evaluation only", "last.pt")
+
+
+def test_extending_a_finished_run_keeps_its_best_pt_in_place(tmp_path):
+    """best.pt holds no optimizer state; the step it holds is still read, so a resume at that step (a finished run
+    given more epochs) starts no branch and sets nothing aside."""
+    run_dir, _ = train_here(tmp_path, "run", *TINY, "trainer.epochs=1")
+    _, log = train_here(tmp_path, "run", *TINY, "trainer.epochs=2", "resume=auto")
+    assert "resumed from" in log and "moved to" not in log, log
+    assert not list((run_dir / "checkpoints").glob("abandoned-*"))
+    assert (run_dir / "checkpoints" / "best.pt").exists()

@@ -14,7 +14,7 @@ import torch
 
 from accutrain.store import status
 from accutrain.train.metrics import MetricsLog
-from conftest import ONE_THREAD, RUN, cli_command, wait_for_steps
+from conftest import COMMAND_S, ONE_THREAD, RUN, cli_command, wait_for_steps
 
 
 def limit_file_size(pid: int, size: int) -> None:
@@ -37,7 +37,7 @@ def test_a_disk_that_fills_mid_run_ends_cleanly_and_status_tells_the_truth(slow)
         limit = (run_dir / "metrics.jsonl").stat().st_size + 2000  # metrics.jsonl fills a few steps later
         assert limit < checkpoint_size
         limit_file_size(proc.pid, limit)
-        output = proc.communicate(timeout=240)[0]
+        output = proc.communicate(timeout=COMMAND_S)[0]
     finally:
         proc.kill()
     assert proc.returncode == 2, output

@@ -13,8 +13,8 @@ import torch
 from accutrain.cli.command import check
 from accutrain.errors import UserError
 from accutrain.store import checkpoint, mark, rundir
-from conftest import (ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics, run_cli,
-                      train_here, train_run)
+from conftest import (COMMAND_S, ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics,
+                      run_cli, train_here, train_run)
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=3", "trainer.checkpoint_every=1"]
 
@@ -122,7 +122,7 @@ def test_a_read_only_run_directory_is_one_line(tmp_path):
                    f'mount -o remount,bind,ro "{run_dir}" "{run_dir}" && exec "$0" "$@"', *command]
     else:
         pytest.skip("root without mount namespaces: no way to make a directory read-only here")
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=COMMAND_S,
                           env={**os.environ, **ONE_THREAD})
     assert proc.returncode == 2
     assert_one_line_error(proc, f"cannot write the run's files into {run_dir}:")

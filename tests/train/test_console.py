@@ -71,7 +71,8 @@ def test_batchnorm_and_dropout_warnings_are_one_short_line_then_their_detail():
 
 
 def test_the_summary_names_the_peak_memory_as_the_most_of_several_ranks():
-    from accutrain.train.metrics import summary_line
+    from accutrain.train.metrics import summary_lines
 
-    assert summary_line(4, 64, 64, 1.0, 1.5, None, 700.0, ranks=2).endswith("peak memory 700 MiB (the most of 2 ranks)")
-    assert summary_line(4, 64, 64, 1.0, 1.5, None, 700.0).endswith("peak memory 700 MiB")
+    assert summary_lines(4, 64, 64, 1.0, 1.5, None, 700.0, ranks=2)[-1].endswith("peak memory 700 MiB (the most of 2 "
+                                                                                 "ranks)")
+    assert summary_lines(4, 64, 64, 1.0, 1.5, None, 700.0)[-1].endswith("peak memory 700 MiB")

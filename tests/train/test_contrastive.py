@@ -75,7 +75,6 @@ def test_bad_combinations_are_one_line(tmp_path, args, fragments):
     assert_one_line_user_error(info.value, *fragments)
 
 
-@pytest.mark.long  # a feature's resume: test_gradcache proves the replayed masks every time
 def test_a_sigkill_mid_run_resumes_bit_identical_with_dropout_replayed(slow):
     """The two passes' random states (dropout on) and the learnt temperature are in the checkpoint's state."""
     args = [*TINY_DATA, "model=custom", "model._target_=slow.Net", "loss=contrastive", "augment.views=2",

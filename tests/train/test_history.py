@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from accutrain.errors import UserError
-from conftest import (RUN, TINY, TINY_DATA, assert_identical, assert_one_line_user_error, final_weights, read_metrics,
-                      start, train_here, train_run)
+from conftest import (RUN, TINY, TINY_DATA, WAIT_S, assert_identical, assert_one_line_user_error, final_weights,
+                      read_metrics, start, train_here, train_run)
 
 # debug=fast's 300 samples in windows of 32: 10 optimizer steps an epoch, 20 in all; dropout, so an RNG state not
 # restored would show.
@@ -38,12 +38,12 @@ def test_a_resume_from_an_earlier_checkpoint_starts_a_branch_that_resume_auto_co
     reference, _ = train_here(slow, "reference", *branch, f"resume={step10}")
 
     proc = start(slow, "run", *branch, f"resume={step10}", "+model.delay=0.03")
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + WAIT_S
     while not 13 <= loss_lines(run) < 20:  # the resume trims the first run's 20 records to 10, then steps 11, 12, …
         assert proc.poll() is None and time.monotonic() < deadline, (slow / "run.log").read_text()
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    assert proc.wait(timeout=WAIT_S) == -signal.SIGKILL
 
     resumed, out = train_run(slow, "run", *branch, "resume=auto")
     found = re.search(r"resumed from (\S+) at optimizer step (\d+)", out.stderr)

@@ -112,14 +112,6 @@ def test_a_budget_below_one_sample_or_data_without_tokens_is_one_line(compose, t
     assert_one_line_user_error(info.value, message)
 
 
-def test_contrastive_refuses_micro_tokens(compose):
-    cfg = compose("model=mlp", "data=synthetic", "loss=contrastive", "augment.views=2", "augment.crop=pad",
-                  "micro_tokens=64")
-    with pytest.raises(UserError) as info:
-        validate(cfg)
-    assert_one_line_user_error(info.value, "loss=contrastive cannot be combined with micro_tokens=64")
-
-
 def test_fixed_width_sequences_are_cut_as_micro_batch_budget_over_width_with_no_padding_figures():
     from accutrain.core.batches import BatchFormat
     from accutrain.data.datasets import sequences

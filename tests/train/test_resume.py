@@ -14,9 +14,9 @@ import torch
 from accutrain.errors import UserError
 from accutrain.store import files
 from accutrain.train.resume import keep_metrics_until
-from conftest import (NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, assert_identical, assert_one_line_error,
-                      assert_one_line_user_error, cli_command, final_weights, read_metrics, run_cli, start, train_here,
-                      train_run, wait_for_steps)
+from conftest import (COMMAND_S, NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, WAIT_S, assert_identical,
+                      assert_one_line_error, assert_one_line_user_error, cli_command, final_weights, read_metrics,
+                      run_cli, start, train_here, train_run, wait_for_steps)
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ def test_killed_and_resumed_run_ends_bit_identical(slow, how):
     proc = start(slow, "killed", *RUN, "+model.delay=0.02")
     wait_for_steps(slow / "killed", kill_after, proc)
     proc.send_signal(getattr(signal, how))
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=WAIT_S)
     log = (slow / "killed.log").read_text()
     if how == "SIGTERM":  # finished the step, checkpointed, said how to resume, exited non-zero
         assert code == 128 + signal.SIGTERM, log
@@ -50,13 +50,13 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
     reference, _ = train_here(tmp_path, "reference", *big)
     proc = start(tmp_path, "killed", *big)
     ckpts, caught = tmp_path / "killed" / "checkpoints", False
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + WAIT_S
     while proc.poll() is None and time.monotonic() < deadline:
         if ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir()) and len(os.listdir(ckpts)) > 2:
             proc.kill()  # a checkpoint is being written right now
             caught = True
             break
-    proc.wait(timeout=60)
+    proc.wait(timeout=WAIT_S)
     assert caught, "the run ended before a checkpoint write could be interrupted"
     assert any(p.name.endswith(".tmp") for p in ckpts.iterdir())  # the half-written file is there, and ignored
     resumed, _ = train_run(tmp_path, "killed", *big, "resume=auto")
@@ -70,7 +70,7 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_resumes_exactly(slow):
     proc = start(slow, "killed", *args, "+model.delay=0.02")
     wait_for_steps(slow / "killed", 4, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert proc.wait(timeout=WAIT_S) == 128 + signal.SIGTERM
     resumed, _ = train_run(slow, "killed", *args, "resume=auto")
     assert_identical(final_weights(resumed), final_weights(reference))
 
@@ -88,14 +88,14 @@ def test_sigterm_during_a_sweep_writes_the_summary_and_gives_the_sweeps_resume_c
                             text=True, env=env)
     wait_for_steps(sweep / "1", 2, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "sweep: 2 runs, 1 completed, 1 interrupted" in out and (sweep / "summary.md").is_file()
     assert "stopped by SIGTERM during job 1" in err and "hydra.run.dir" not in err
     command = err.split("Resume the sweep with:\n", 1)[1].splitlines()[0].strip()
     assert command.startswith("accutrain -m ") and command.endswith(f"hydra.sweep.dir={sweep} resume=auto")
     resumed = subprocess.run([*cli_command(), *shlex.split(command)[1:]], cwd=slow, capture_output=True, text=True,
-                             env=env, timeout=300)
+                             env=env, timeout=COMMAND_S)
     assert resumed.returncode == 0, resumed.stderr
     assert "sweep: 3 runs, 3 completed" in resumed.stdout
     assert "nothing left to train" in (sweep / "0" / "train.log").read_text()
@@ -311,13 +311,15 @@ def test_a_kill_while_a_resume_trims_metrics_leaves_the_history_whole(tmp_path, 
 LONG_WINDOW = [*RUN, "data.size=128", "micro_batch=2", "accum=16", "trainer.epochs=2", "trainer.stop_grace_s=0"]
 
 
-def stop_early_in_a_window(tmp_path: Path, name: str, *args: str, delay: float = 0.03) -> tuple[str, int]:
+def stop_early_in_a_window(tmp_path: Path, name: str, *args: str, delay: float = 0.1) -> tuple[str, int]:
     """Start the run, send SIGTERM a few micro-batches into the window after optimizer step 2; (its log, exit code)."""
+    # 0.1 s a micro-batch: the window of step 3 takes 1.6 s on one rank and 0.8 s on two, room enough for this
+    # process to see step 2 late on a loaded machine and still signal well before the window's end
     proc = start(tmp_path, name, *args, f"+model.delay={delay}")
     wait_for_steps(tmp_path / name, 2, proc)
-    time.sleep(3 * delay)  # about 3 micro-batches into the window of step 3 (it takes 16 × delay and more)
+    time.sleep(delay)  # about one micro-batch into the window of step 3
     proc.send_signal(signal.SIGTERM)
-    code = proc.wait(timeout=120)
+    code = proc.wait(timeout=WAIT_S)
     return (tmp_path / f"{name}.log").read_text(), code
 
 
@@ -399,7 +401,7 @@ def test_sigterm_mid_window_on_two_ranks_abandons_it_on_both_and_the_resume_is_b
     args = [*RUN, "model._target_=traced.Net", "data.size=128", "micro_batch=2", "accum=16", "devices=2",
             "trainer.epochs=2", "trainer.stop_grace_s=1"]
     reference, _ = train_here(slow, "reference", *args)
-    log, code = stop_early_in_a_window(slow, "stopped", *args, "+model.trace=forwards", delay=0.1)
+    log, code = stop_early_in_a_window(slow, "stopped", *args, "+model.trace=forwards")
     assert code == 128 + signal.SIGTERM, log
     abandoned = [line for line in log.splitlines() if "SIGTERM: abandoned the window of optimizer step 3 after" in line]
     assert len(abandoned) == 1, log

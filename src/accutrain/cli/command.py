@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain import __version__
+from accutrain.cli import recorded
 from accutrain.cli.compose import compose, hydra_instance, job_configs, parse, task_config
 from accutrain.config.targets import check_plugins
 from accutrain.config.train import TrainConfig
@@ -210,6 +211,8 @@ def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str =
         print(f"{prog} {__version__}")
         sys.exit(0)
     args = parse(argv)
+    if run:  # resume=auto with only the run directory: the run's own overrides, carried (and named)
+        decided.argv += recorded.carry(args, prog if decide else None)
     if args.config_path is not None or args.experimental_rerun is not None or args.hydra_help:
         return decided  # Hydra's own business
     with hydra_instance(args) as hydra:

@@ -72,9 +72,13 @@ class TextData(DataConfig):
     prompt_field: str = "prompt"  # with response_field: the prompt is masked out of the loss
     response_field: str = "response"
     label_field: Optional[str] = "label"  # records carrying it make a sequence classification set
+    anchor_field: str = "anchor"  # records with an anchor and a positive are pairs (loss=contrastive)
+    positive_field: str = "positive"
+    negative_field: Any = "negative"  # a field of one text or a list of texts (mined negatives), or several fields
     seed: int = II("seed")
     ignore_index: int = II("loss.ignore_index")
     test: Optional[str] = None  # a test file, evaluated at the end (null: no test stage)
+    truncation: str = "drop"  # a record max_length leaves with no trained token: drop (listed in train.log) | error
 
 
 @dataclass
@@ -86,6 +90,9 @@ class HFColumns:
     response: str = "response"
     messages: str = "messages"  # chat records: [{role, content}, …], the loss on the assistant's tokens
     label: str = "label"
+    anchor: str = "anchor"  # with positive: text pairs (and negatives: triples) for loss=contrastive
+    positive: str = "positive"
+    negative: Any = "negative"  # a column of one text or a list of texts (mined negatives), or a list of columns
 
 
 @dataclass
@@ -106,6 +113,10 @@ class HFData(DataConfig):
     ignore_index: int = II("loss.ignore_index")
     test: Optional[str] = None  # test records (as train is read), evaluated at the end (null: no test stage)
     test_split: str = "test"  # the split of a dataset name or a DatasetDict directory that test reads
+    truncation: str = "drop"  # a record max_length leaves with no trained token: drop (listed in train.log) | error
+    chat_template: Optional[str] = None  # a Jinja file (or the template) for chat records; null: the tokenizer's
+    streaming: bool = False  # read train as a stream (IterableDataset): windows cut from a seeded shuffle buffer
+    buffer_size: int = 1000  # with streaming: the shuffle buffer's records
 
 
 @dataclass

@@ -40,9 +40,10 @@ class HuberLoss(ElementLoss):
 class ContrastiveLossConfig:  # loss=contrastive
     _target_: str = "accutrain.core.contrastive.contrastive"
     temperature: float = 0.07  # τ: cosine similarities × 1/τ (learn_temperature: τ's starting value)
-    symmetric: bool = True  # CLIP's mean of both directions; false: view 0 against every view 1 only
+    symmetric: bool = True  # CLIP's mean of both directions; false: anchor against every candidate only
     learn_temperature: bool = False  # a parameter the optimizer steps and checkpoints hold
     window: bool = True  # false: each micro-batch's own loss (naive accumulation, not the big batch's objective)
+    mask_duplicates: bool = False  # leave out of an anchor's candidates the copies of its positive (same text)
     ignore_index: int = -100  # unused; the data's padding default reads it
 
 

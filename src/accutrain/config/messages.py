@@ -75,8 +75,8 @@ def unknown_key(shown: str, full_key: str, known: list[str], choices: dict[str, 
     own = (f"; keys of your own need {path}=custom" if path in GROUP_NODES and (config_dir() / path / "custom.yaml")
            .is_file() else "")
     if path == "model" and key in ("adapter", "lora", "quantize"):  # the Hugging Face models' keys only
-        return (f"{shown}: adapters and quantization are for the Hugging Face models (model=hf_causal_lm or "
-                f"model=hf_seq_cls); {node_name(path, choices)} has no key {key!r}")
+        return (f"{shown}: adapters and quantization are for the Hugging Face models (model=hf_causal_lm, "
+                f"model=hf_seq_cls or model=hf_encoder); {node_name(path, choices)} has no key {key!r}")
     return f"{shown}: {node_name(path, choices)} has no key {key!r}{hint}; its keys are: {', '.join(known)}{own}"
 
 

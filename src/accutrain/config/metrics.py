@@ -9,7 +9,7 @@ TASK_METRICS = {
     "regression": ("val_loss", "val_mae", "val_rmse"),
     "multilabel": ("val_loss", "val_f1"),
     "custom": ("val_loss",),
-    "contrastive": ("val_loss", "val_recall1"),
+    "contrastive": ("val_loss", "val_recall1", "val_recall10", "val_mrr10", "val_ndcg10"),
 }
 METRICS = ("auto", *dict.fromkeys(m + ema for ms in TASK_METRICS.values() for m in ms for ema in ("", "_ema")))
-HIGHER_IS_BETTER = ("val_acc", "val_f1", "val_recall1")
+HIGHER_IS_BETTER = ("val_acc", "val_f1", "val_recall1", "val_recall10", "val_mrr10", "val_ndcg10")

@@ -58,12 +58,9 @@ def random_views(c: TrainConfig) -> bool:
 
 TABLE: tuple[Entry, ...] = (
     Entry("loss=contrastive", lambda c: c.loss.target == CONTRASTIVE, (
-        Row(lambda c: c.augment.views != 2, lambda c: f"augment.views={c.augment.views}",
-            "loss=contrastive needs pairs: set augment.views=2 (two random views of each sample, with a random "
-            "augment=, e.g. augment=crop_flip)"),
         Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
-        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
-        Row(lambda c: c.micro_tokens is not None, lambda c: f"micro_tokens={c.micro_tokens}", "give micro_batch=N"),
+        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N (or micro_tokens=N for text "
+            "pairs)"),
         Row(lambda c: c.trainer.accum_dtype is not None or c.trainer.offload_grads,
             "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
         Row(lambda c: c.augment.mixup_alpha > 0 or c.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",
@@ -119,6 +116,19 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: lora(c, "target_modules") is not None and not lora(c, "target_modules"),
             "model.lora.target_modules=[]", "no layer would carry an adapter, so nothing would train: name the layers "
             "(null: PEFT's defaults for the architecture)"),
+    )),
+    Entry("data.streaming=true", lambda c: bool(c.data.get("streaming")), (
+        Row(lambda c: c.trainer.max_steps is None, "trainer.max_steps=null", "a stream's length is known only at its "
+            "end: give trainer.max_steps=N, the run's length (trainer.epochs then caps the passes over the stream)"),
+        Row(lambda c: c.data.get("val") is None, "data.val=null", "a stream is not split: give the held-out records "
+            "as data.val=<a file or a dataset name>"),
+        Row(lambda c: c.data.get("packing") not in (False, None), lambda c: f"data.packing={c.data.get('packing')}",
+            "packing lays its blocks out over the whole training set; set data.packing=false"),
+        Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        Row(lambda c: c.batch_schedule is not None, "batch_schedule", "a schedule is laid out over the training "
+            "set's size; use a fixed batch (micro_batch × accum)"),
+        Row(lambda c: c.loader.num_workers not in ("auto", 0), lambda c: f"loader.num_workers={c.loader.num_workers}",
+            "the stream is read, and its windows cut, in the training process; leave loader.num_workers=auto"),
     )),
     Entry("model.quantize=4bit", lambda c: c.model.get("quantize") is not None, (
         Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "

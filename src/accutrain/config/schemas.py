@@ -90,11 +90,20 @@ class HFModel(ModelConfig):
 @dataclass
 class HFCausalLMModel(HFModel):
     _target_: str = "accutrain.models.hf.causal_lm"
+    neftune_alpha: Optional[float] = None  # NEFTune: noise on the input embeddings in training, drawn per sample
 
 
 @dataclass
 class HFSeqClsModel(HFModel):
     _target_: str = "accutrain.models.hf.seq_cls"
+    neftune_alpha: Optional[float] = None  # NEFTune, as hf_causal_lm's
+
+
+@dataclass
+class HFEncoderModel(HFModel):
+    _target_: str = "accutrain.models.hf_encoder.encoder"
+    pooling: str = "mean"  # mean | cls | last (decoder embedders): the token states pooled into one embedding
+    normalize: bool = True  # L2-normalised embeddings (cosine similarity), as sentence-transformers' Normalize
 
 
 # --- optim/ and sched/ --------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from accutrain.config.data_schemas import (DigitsData, HFData, ImageFolderData, 
 from accutrain.config.loss_schemas import BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
-                                      CosineSched, HFCausalLMModel, HFSeqClsModel, LoaderConfig, MLPModel,
+                                      CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
+                                      MLPModel,
                                       ScalingConfig, SGDOptim, TorchvisionModel)
 from accutrain.core.options import LastWindow
 
@@ -205,6 +206,7 @@ SCHEMAS = {
     ("model", "char_lm_schema"): CharLMModel,
     ("model", "hf_causal_lm_schema"): HFCausalLMModel,
     ("model", "hf_seq_cls_schema"): HFSeqClsModel,
+    ("model", "hf_encoder_schema"): HFEncoderModel,
     ("data", "digits_schema"): DigitsData,
     ("data", "synthetic_schema"): SyntheticData,
     ("data", "torchvision_schema"): TorchvisionData,

@@ -131,7 +131,8 @@ def validate(cfg: DictConfig) -> None:
                             "names such as SIGTERM, SIGINT, SIGUSR1, SIGUSR2")
     validate_strategy(cfg)
     if cfg.augment.views not in (1, 2):
-        raise UserError(f"augment.views={cfg.augment.views} is not valid: expected 1, or 2 (a pair of views per sample)")
+        raise UserError(f"augment.views={cfg.augment.views} is not valid: expected 1, or 2 (a pair of views per "
+                        "sample)")
     check_values(cfg)
     refuse_combinations(typed(cfg))
     validate_compile(t)  # last: trainer.compile=true imports torch._dynamo to ask for its backends

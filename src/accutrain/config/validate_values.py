@@ -10,8 +10,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config.data_schemas import SequenceData, SyntheticData, TextData
-from accutrain.config.schemas import (AdamWOptim, CharLMModel, CNNModel, CosineSched, HFCausalLMModel, HFSeqClsModel,
-                                      MLPModel, SGDOptim)
+from accutrain.config.schemas import (AdamWOptim, CharLMModel, CNNModel, CosineSched, HFCausalLMModel,
+                                      HFEncoderModel, HFSeqClsModel, MLPModel, SGDOptim)
 from accutrain.errors import UserError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed and torch.Generator.manual_seed accept
@@ -95,11 +95,11 @@ def check_model(m: DictConfig) -> None:
                 shown = value if single else OmegaConf.to_container(value)
                 raise UserError(f"model.{key}={shown} is not valid: expected " + (
                     "a positive size" if single else "a list of positive sizes, one per layer (e.g. [256,256])"))
-    if builtin(m, MLPModel, CNNModel, HFCausalLMModel, HFSeqClsModel):
+    if builtin(m, MLPModel, CNNModel, HFCausalLMModel, HFSeqClsModel, HFEncoderModel):
         dropout: Optional[float] = m.dropout
         if dropout is not None and not 0 <= dropout <= 1:
             raise UserError(f"model.dropout={dropout} is not valid: expected a probability between 0 and 1"
-                            + (" or null" if builtin(m, HFCausalLMModel, HFSeqClsModel) else ""))
+                            + (" or null" if builtin(m, HFCausalLMModel, HFSeqClsModel, HFEncoderModel) else ""))
 
 
 def auto_needs_budget(cfg: Any, device_type: str) -> None:

@@ -39,6 +39,7 @@ class Loss(Protocol):
     ignore_index: int
     min_window: int  # the fewest samples a window must hold for the loss to mean anything
     whole_window: bool  # a sample's loss depends on the window's other samples: the window is seen whole
+    output: str  # what the model returns for it: logits (per class or target element; checked) or embeddings
 
     @property
     def monitor(self) -> str:
@@ -90,6 +91,7 @@ class OnePass:
 
     min_window = 1
     whole_window = False
+    output = "logits"
     name: str
     terms: Callable[[Batches], int]
     __call__: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -179,7 +181,8 @@ class SummedLoss(OnePass):
 
     @property
     def monitor(self) -> str:
-        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss."""
+        """trainer.monitor=auto: a classifier follows its accuracy, a language model its loss (per token, or with
+        loss.normalize=sequences per sequence)."""
         return "val_loss" if self.elements or self.per_sequence else "val_acc"
 
     def per_element(self, batch: Batch) -> bool:
@@ -228,10 +231,10 @@ class SummedLoss(OnePass):
 
 
 def make_loss(normalize: Normalize, ignore_index: int, shift_labels: Optional[bool] = None,
-              model: Optional[nn.Module] = None, label_smoothing: float = 0.0) -> SummedLoss:
-    """The run's loss; `loss.normalize=auto` and `loss.shift_labels=null` take the model's `loss_defaults` (model=
-    hf_causal_lm: tokens, shifted), else samples, unshifted."""
-    defaults = getattr(model, "loss_defaults", {})
+              model_defaults: Optional[dict] = None, label_smoothing: float = 0.0) -> SummedLoss:
+    """The run's loss; `loss.normalize=auto` and `loss.shift_labels=null` take the model's defaults (its factory's
+    `loss_defaults`: model=hf_causal_lm's tokens, shifted), else samples, unshifted."""
+    defaults = dict(model_defaults or {})
     if normalize is Normalize.auto:
         normalize = Normalize(defaults.get("normalize", "samples"))
     shift = defaults.get("shift_labels", False) if shift_labels is None else shift_labels

@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.loss import OnePass, SummedLoss, make_loss
@@ -144,9 +143,11 @@ def elements_of(normalize: Normalize | str, default: Normalize) -> bool:
 
 # --- the factories `loss._target_` names: every key of a loss's node is a keyword argument -------------------
 def cross_entropy(normalize: Normalize | str = "auto", ignore_index: int = -100, shift_labels: Optional[bool] = None,
-                  label_smoothing: float = 0.0, model: Optional[nn.Module] = None) -> SummedLoss:
-    """loss=cross_entropy: classes per sample or per element (tokens), soft targets (MixUp/CutMix), smoothing."""
-    return make_loss(Normalize(normalize), ignore_index, shift_labels, model, label_smoothing)
+                  label_smoothing: float = 0.0, model_defaults: Optional[dict] = None) -> SummedLoss:
+    """loss=cross_entropy: classes per sample or per element (tokens), soft targets (MixUp/CutMix), smoothing;
+    `model_defaults` (supplied by the run: the model factory's `loss_defaults`) decide normalize=auto and
+    shift_labels=null."""
+    return make_loss(Normalize(normalize), ignore_index, shift_labels, model_defaults, label_smoothing)
 
 
 def mse(normalize: Normalize | str = "auto", ignore_index: int = -100) -> PerTermLoss:

@@ -1,4 +1,6 @@
-"""The batch arithmetic: effective batch = micro_batch × accum × devices, and how many optimizer steps follow."""
+"""The batch arithmetic: effective batch = micro_batch × accum × devices, and how many optimizer steps follow. A
+stream's training set has no size before it ends (train_size None): its run is trainer.max_steps long, trainer.epochs
+(when set) the most passes over the stream it makes."""
 from __future__ import annotations
 
 import math
@@ -16,7 +18,7 @@ class BatchPlan:
     micro_batch: int
     accum: int  # with a batch schedule: the first window's
     devices: int
-    train_size: int
+    train_size: Optional[int]  # None: a stream (core/streams.py)
     last_window: LastWindow
     epochs: Optional[int]
     max_steps: Optional[int]
@@ -30,14 +32,19 @@ class BatchPlan:
         return self.micro_batch * self.accum * self.devices
 
     @property
-    def tail(self) -> int:
-        """Samples in the incomplete last window of an epoch (0 when the windows tile the epoch; fixed batch)."""
-        return self.train_size % self.effective
+    def streamed(self) -> bool:
+        """The training set is a stream: its size is known at its end only."""
+        return self.train_size is None
 
     @property
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps of the first epoch (of every epoch when the batch is fixed)."""
-        return len(self.window_sizes(0))
+    def tail(self) -> int:
+        """Samples in the incomplete last window of an epoch (0 when the windows tile the epoch; fixed batch)."""
+        return 0 if self.streamed else self.train_size % self.effective
+
+    @property
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps of the first epoch (of every epoch when the batch is fixed); None for a stream."""
+        return None if self.streamed else len(self.window_sizes(0))
 
     def batch_at(self, seen: int) -> int:
         """The effective batch of a window that begins after `seen` samples."""
@@ -50,6 +57,8 @@ class BatchPlan:
 
     def smallest_window(self) -> int:
         """The fewest samples any window of the run holds (an epoch's incomplete last one, with last_window=step)."""
+        if self.streamed:  # a pass may end with one sample
+            return 1 if self.last_window is LastWindow.step else self.effective
         if self.schedule is None:
             return min(self._fixed_sizes)
         return min(min(sizes) for sizes in self._layout[: self.total_epochs])
@@ -85,7 +94,9 @@ class BatchPlan:
 
     @cached_property
     def total_steps(self) -> int:
-        """Optimizer steps of the whole run: epochs and max_steps, whichever ends first."""
+        """Optimizer steps of the whole run: epochs and max_steps, whichever ends first (a stream: max_steps)."""
+        if self.streamed:
+            return self.max_steps
         if self.schedule is not None:
             return min(sum(len(sizes) for sizes in self._layout), self.max_steps or 2**62)
         by_epochs = self.epochs * self.steps_per_epoch if self.epochs is not None else None
@@ -93,7 +104,9 @@ class BatchPlan:
 
     @cached_property
     def total_epochs(self) -> int:
-        """Epochs begun, the last possibly cut short by max_steps."""
+        """Epochs begun, the last possibly cut short by max_steps (a stream: the passes it may make)."""
+        if self.streamed:
+            return self.epochs if self.epochs is not None else 2**62
         if self.schedule is None:
             return math.ceil(self.total_steps / self.steps_per_epoch)
         steps, epochs = 0, 0
@@ -110,6 +123,14 @@ class BatchPlan:
 
     def describe(self) -> list[str]:
         """The start-up lines: the arithmetic, then the optimizer steps per epoch and in total."""
+        if self.streamed:
+            split = (f"= micro_batch {self.micro_batch} × accum {self.accum} × devices {self.devices}"
+                     if self.micro_tokens is None else
+                     f"cut into micro-batches of at most {self.micro_tokens} padded tokens (micro_tokens)")
+            return [f"effective batch {self.effective} {split}",
+                    f"a stream: {self.total_steps} optimizer steps (trainer.max_steps) on windows of {self.effective} "
+                    "cut from its shuffle buffer, " + (f"at most {self.epochs} passes over it (trainer.epochs)"
+                                                       if self.epochs is not None else "as many passes as they take")]
         epochs = "epoch" if self.total_epochs == 1 else "epochs"
         if self.schedule is not None:
             first, last = self._layout[0][0], max(max(sizes) for sizes in self._layout)
@@ -120,18 +141,20 @@ class BatchPlan:
                     f"{self.train_size} training samples: {self.total_steps} optimizer steps in total over "
                     f"{self.total_epochs} {epochs} (windows per epoch: "
                     f"{', '.join(str(len(sizes)) for sizes in self._layout[:self.total_epochs])})"]
-        windows = f"{self.train_size // self.effective} windows of {self.effective}"
+        whole = self.train_size // self.effective
+        windows = f"{whole} window{'' if whole == 1 else 's'} of {self.effective}" if whole else ""
         split = (f"micro_batch {self.micro_batch} × accum {self.accum} × devices {self.devices}"
                  if self.micro_tokens is None else
                  f"{self.micro_batch * self.accum} per device × devices {self.devices}, the window cut into "
                  f"micro-batches of at most {self.micro_tokens} padded tokens (micro_tokens; longest samples first)")
-        if self.tail and self.last_window is LastWindow.step:
-            windows += f" + 1 of {self.tail} samples"
+        if self.tail and self.last_window is LastWindow.step:  # the whole epoch in one short window, or a tail
+            windows += f" + 1 of {self.tail} samples" if whole else f"1 window of all {self.tail} samples"
         elif self.tail:
             windows += f"; the last {self.tail} samples of each epoch dropped (trainer.last_window=drop)"
+        steps = "optimizer step" if self.steps_per_epoch == 1 else "optimizer steps"
         return [
             f"effective batch {self.effective} = {split}",
-            f"{self.train_size} training samples: {self.steps_per_epoch} optimizer steps per epoch ({windows}), "
+            f"{self.train_size} training samples: {self.steps_per_epoch} {steps} per epoch ({windows}), "
             f"{self.total_steps} in total over {self.total_epochs} {epochs}",
         ]
 
@@ -176,7 +199,7 @@ def make_plan(
     accum: Optional[int],
     devices: int,
     global_batch: Optional[int],
-    train_size: int,
+    train_size: Optional[int],
     last_window: LastWindow,
     epochs: Optional[int],
     max_steps: Optional[int],
@@ -198,7 +221,7 @@ def make_plan(
         schedule=resolved,
         micro_tokens=micro_tokens,
     )
-    if plan.total_steps == 0 or plan.steps_per_epoch == 0:
+    if not plan.streamed and (plan.total_steps == 0 or plan.steps_per_epoch == 0):
         raise UserError(
             f"effective batch {plan.effective} is larger than the {train_size} training samples and "
             f"trainer.last_window=drop drops them all: lower micro_batch/accum or set trainer.last_window=step"

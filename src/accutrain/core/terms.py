@@ -12,7 +12,8 @@ from accutrain.core.windows import Window, WindowData, WindowSampler
 class TermCounts:
     """This rank's loss terms of a window: the sum of its samples' counts. A sample's count is the same in every
     micro-batch it may land in (padding carries ignore_index), so the sum is what counting the loaded micro-batches
-    gives, whatever the split. With random views (`augment=`), which may change a target, each epoch counts anew."""
+    gives, whatever the split. With random views (`augment=`), which may change a target, each epoch counts anew; a
+    stream's samples (core/streams.py) are counted from the window's own."""
 
     def __init__(self, data: WindowData, sampler: WindowSampler, loss: Loss) -> None:
         self.data, self.sampler, self.loss = data, sampler, loss
@@ -21,6 +22,9 @@ class TermCounts:
         self.epoch = -1
 
     def __call__(self, window: Window) -> int:
+        if self.sampler.streamed:  # a stream's window holds its samples: each counted once, as it comes
+            return sum(self.loss.terms([self.data.format(list(m.items))]) for m in self.sampler.micro_batches_of(window)
+                       if m)
         if self.per_epoch and window.epoch != self.epoch:
             self.counts.fill_(-1)
         self.epoch = window.epoch

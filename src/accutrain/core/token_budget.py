@@ -19,20 +19,24 @@ import torch
 class TokenLengths:
     """Each training sample's length in tokens (before padding), how a micro-batch pads them (to its longest row,
     or to `padded_to`), and the budget `micro_tokens` (None: micro-batches of micro_batch samples). `real`: the
-    lengths are the samples' real tokens (False for samples that come padded: no padding figures)."""
+    lengths are the samples' real tokens (False for samples that come padded: no padding figures). `rows`: the texts
+    one sample is (a text pair's anchor, positive and negatives: each padded to its role's longest, so a micro-batch
+    of n samples holds at most n × rows × its longest text)."""
 
     def __init__(self, lengths: torch.Tensor, padded_to: Optional[int] = None, budget: Optional[int] = None,
-                 real: bool = True) -> None:
+                 real: bool = True, rows: int = 1, totals: Optional[torch.Tensor] = None) -> None:
         self.lengths, self.padded_to, self.budget, self.real = lengths.to(torch.int64), padded_to, budget, real
+        self.rows, self.totals = rows, (totals if totals is not None else lengths * rows).to(torch.int64)
 
     @property
     def longest(self) -> int:
-        """The longest sample as a micro-batch holds it (padded_to with data.padding=max_length)."""
-        return self.padded_to or int(self.lengths.max())
+        """The longest sample as a micro-batch holds it (padded_to with data.padding=max_length), all its rows."""
+        return self.rows * (self.padded_to or int(self.lengths.max()))
 
     def width(self, lengths: Sequence[int]) -> int:
-        """The padded length of a micro-batch of samples of `lengths`."""
-        return self.padded_to or max(lengths, default=0)
+        """The padded tokens of one sample in a micro-batch of samples of `lengths`: its rows × their padded
+        length."""
+        return self.rows * (self.padded_to or max(lengths, default=0))
 
     def cut(self, samples: Sequence[int]) -> list[list[int]]:
         """A window's `samples` (dataset indices) as micro-batches within the budget: lists of positions in
@@ -56,7 +60,7 @@ class TokenLengths:
         for indices in micro_batches:
             if not indices:
                 continue
-            lengths = self.lengths[torch.as_tensor(list(indices), dtype=torch.int64)].tolist()
-            real += sum(lengths)
-            padded += len(lengths) * self.width(lengths)
+            at = torch.as_tensor(list(indices), dtype=torch.int64)
+            real += int(self.totals[at].sum())  # every text's real tokens
+            padded += len(at) * self.width(self.lengths[at].tolist())
         return real, padded

@@ -24,6 +24,9 @@ from accutrain.core.token_budget import TokenLengths
 from accutrain.errors import UserError
 
 
+SAMPLE_STREAM = 4  # keyed_seed(seed, SAMPLE_STREAM, epoch, sample): a sample's own draws in the model (NEFTune)
+
+
 @dataclass(frozen=True)
 class Window:
     """One optimizer step's samples, as this rank sees them."""
@@ -33,21 +36,24 @@ class Window:
     size: int  # samples in the whole window, all ranks together
     sizes: tuple[int, ...]  # this rank's micro-batches, in samples (every rank has as many; the last ones may be 0)
     batch: int  # the effective batch it stands for: its size, or more for an epoch's incomplete last window
+    last: bool = False  # the epoch's last window
 
 
 class MicroBatch(list):
-    """The dataset indices of one of this rank's micro-batches (possibly none), the window it belongs to, and (with
-    MixUp/CutMix) how each of its samples is mixed."""
+    """The dataset indices of one of this rank's micro-batches (possibly none), its window, (MixUp/CutMix) how each
+    sample is mixed, and — from a stream (core/streams.py) — the samples, indexed by their places in the pass."""
 
-    def __init__(self, indices: Iterable[int], window: Window, mixes: Optional[list[Mix]] = None) -> None:
+    def __init__(self, indices: Iterable[int], window: Window, mixes: Optional[list[Mix]] = None,
+                 items: Optional[list[Any]] = None) -> None:
         super().__init__(indices)
-        self.window, self.mixes = window, mixes
+        self.window, self.mixes, self.items = window, mixes, items
 
     @classmethod
     def join(cls, parts: list[MicroBatch]) -> MicroBatch:
         """The micro-batches of one window as one."""
         mixes = None if parts[0].mixes is None else [m for part in parts for m in part.mixes or []]
-        return cls([i for part in parts for i in part], parts[0].window, mixes)
+        items = None if parts[0].items is None else [s for part in parts for s in part.items or []]
+        return cls([i for part in parts for i in part], parts[0].window, mixes, items)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -69,7 +75,8 @@ def rank_share(samples: list[int], micro_batch: int, rank: int, world: int) -> l
 class WindowSampler(Sampler[MicroBatch]):
     """Batch sampler for a DataLoader: this rank's micro-batches, window after window, empty ones included. With
     token data, `tokens` knows each sample's length: its budget (micro_tokens) cuts the windows, and padding()
-    says what a window's micro-batches pad."""
+    says what a window's micro-batches pad. (core/streams.py's sampler cuts windows from a stream: `streamed`.)"""
+    streamed = False
 
     def __init__(self, plan: BatchPlan, seed: int, rank: int = 0, world: int = 1, mixer: Optional[Mixer] = None,
                  tokens: Optional[TokenLengths] = None) -> None:
@@ -83,6 +90,16 @@ class WindowSampler(Sampler[MicroBatch]):
         """Select the epoch (and the window to begin at, for resuming) that the next iteration visits."""
         self.epoch, self.start = epoch, start_window
 
+    def alone(self) -> WindowSampler:
+        """The same windows as rank 0 of 1 (every device's micro-batches: accutrain-check)."""
+        return WindowSampler(self.plan, self.seed)
+
+    def state_dict(self, epoch: int, window: int) -> None:  # the seed, epoch and window say where the data is
+        return None
+
+    def load_state_dict(self, state: None) -> None:  # (a stream's sampler, core/streams.py, keeps its position)
+        pass
+
     def windows(self) -> Iterator[list[MicroBatch]]:
         """This rank's micro-batches of each window of the epoch, from the start window on."""
         order, starts = self.order(self.epoch)
@@ -91,7 +108,7 @@ class WindowSampler(Sampler[MicroBatch]):
             samples = order[starts[index] : starts[index + 1]].tolist()
             share = self.share(samples)
             window = Window(self.epoch, index, len(samples), tuple(len(indices) for indices in share),
-                            self.plan.batch_at(seen + starts[index]))
+                            self.plan.batch_at(seen + starts[index]), last=index == len(starts) - 2)
             yield self.cut(window, samples, share)
 
     def share(self, samples: list[int], items: Optional[list[Any]] = None) -> list[list[Any]]:
@@ -173,11 +190,13 @@ class WindowData(Dataset):
     each sample is mixed with its partner, which this loader reads too (accutrain.core.mixing). An empty micro-batch (a
     rank whose share of a short window ran out: it still takes part in the window's gradient all-reduce) becomes a
     stand-in — the first two samples, marked so that they add nothing (many models cannot take zero samples) — or,
-    with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples."""
+    with `stand_in=False` (SyncBatchNorm, which handles empty inputs), zero samples. `sample_seeds` (the seed; NEFTune)
+    gives each mapping item its `sample_seed` from (seed, epoch, sample), whichever micro-batch or rank reads it."""
 
     def __init__(self, dataset: Dataset, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True,
-                 mixer: Optional[Mixer] = None) -> None:
+                 mixer: Optional[Mixer] = None, sample_seeds: Optional[int] = None) -> None:
         self.dataset, self.format, self.stand_in, self.mixer = dataset, batch_format, stand_in, mixer
+        self.sample_seeds = sample_seeds
         self._empty: Optional[Batch] = None
         # A dataset of in-memory tensors (accutrain.data.InMemory) gathers a micro-batch in one indexing, where
         # torch's own collate would stack the same rows item by item.
@@ -213,7 +232,10 @@ class WindowData(Dataset):
         if self.gather is not None:
             return micro_batch.window, Batch(*self.gather(micro_batch))
         epoch = micro_batch.window.epoch
-        items = [self.item(epoch, i) for i in micro_batch]
+        items = micro_batch.items if micro_batch.items is not None else [self.item(epoch, i) for i in micro_batch]
+        if self.sample_seeds is not None:
+            seeds = [seeding.keyed_seed(self.sample_seeds, SAMPLE_STREAM, epoch, i) for i in micro_batch]
+            items = [{**item, "sample_seed": torch.tensor(seed)} for item, seed in zip(items, seeds)]
         if self.mixer is not None and micro_batch.mixes is not None:
             items = [self.mixer.mixed(item, self.item(epoch, mix.partner) if mix.lam < 1.0 else None, mix)
                      for item, mix in zip(items, micro_batch.mixes)]
@@ -247,12 +269,12 @@ class InProcessLoader:
 
 
 def window_loader(dataset: Dataset, sampler: WindowSampler, num_workers: int, pin_memory: bool,
-                  generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True
-                  ) -> DataLoader | InProcessLoader:
+                  generator: torch.Generator, batch_format: BatchFormat = BatchFormat(), stand_in: bool = True,
+                  sample_seeds: Optional[int] = None) -> DataLoader | InProcessLoader:
     """The train loader: it yields (window, batch) for each of this rank's micro-batches, in the sampler's order
-    (mixed as the sampler's mixer draws them) — read in this process, or by torch's DataLoader in `num_workers`
-    worker processes (seeded from `generator`)."""
-    windows = WindowData(dataset, batch_format, stand_in, sampler.mixer)
+    (mixed as the sampler's mixer draws them; each sample with its seed, given `sample_seeds`) — read in this
+    process, or by torch's DataLoader in `num_workers` worker processes (seeded from `generator`)."""
+    windows = WindowData(dataset, batch_format, stand_in, sampler.mixer, sample_seeds)
     if num_workers == 0:
         return InProcessLoader(windows, sampler, pin_memory)
     return DataLoader(windows, batch_sampler=sampler, collate_fn=_collated, num_workers=num_workers,

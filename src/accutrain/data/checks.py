@@ -32,6 +32,12 @@ def prepare(made: Any, cfg: TrainConfig) -> tuple[Datasets, BatchFormat]:
     """What the data factory returned (`made`), as this run sees it — its views (augment=) and its batch format —
     checked: a mistake in it is one UserError naming the sample and the key."""
     datasets = returned(made, cfg.data.target)
+    with same_random_streams():
+        first = datasets.train[0]
+    if isinstance(first, dict) and "anchor.input_ids" in first and not cfg.loss.target.endswith(".contrastive"):
+        raise UserError(f"data {datasets.description} holds text pairs (an anchor, its positive and its negatives per "
+                        f"record), which only loss=contrastive compares; this run's loss is {cfg.loss.target}: set "
+                        "loss=contrastive, or records of another kind")
     datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed,  # training views per (seed, epoch, sample)
                            cfg.augment.views)
     batches = batch_format(cfg.loader, datasets.collate)

@@ -272,7 +272,9 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory:
 
 
 def describe_split_sizes(ds: Datasets) -> str:
-    return (f"data {ds.description}: {len(ds.train)} train / {len(ds.val)} val"
+    """The log's line: the data, its splits' sizes, its samples' shape and (unless it has none) its classes."""
+    train = "streamed" if ds.stream is not None else len(ds.train)
+    return (f"data {ds.description}: {train} train / {len(ds.val)} val"
             + (f" / {len(ds.test)} test" if ds.test is not None else "") + ", "
-            f"{'×'.join(map(str, ds.sample_shape))}, {ds.num_classes} {ds.classes}")
+            f"{'×'.join(map(str, ds.sample_shape))}" + (f", {ds.num_classes} {ds.classes}" if ds.classes else ""))
 

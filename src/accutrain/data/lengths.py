@@ -20,9 +20,15 @@ def token_lengths(datasets: Datasets, batches: BatchFormat, micro_tokens: Option
     train, collate = datasets.train, batches.collate
     first = train[0]
     if isinstance(collate, PadCollate) and isinstance(first, dict):
-        lengths = torch.tensor([max((len(v) for v in train[i].values() if v.dim() == 1), default=1)
-                                for i in range(len(train))])
-        tokens = TokenLengths(lengths, collate.length, micro_tokens)
+        keys = [key for key in first if key.endswith("input_ids")] or ["input_ids"]  # a text pair: one per text
+        if hasattr(train, "lengths") and keys == ["input_ids"]:  # one text per item: its lengths, no item read
+            lengths = totals = train.lengths()
+        else:
+            lengths = torch.tensor([max((len(v) for v in train[i].values() if v.dim() == 1), default=1)
+                                    for i in range(len(train))])
+            totals = torch.tensor([sum(len(train[i][key]) for key in keys if key in train[i])
+                                   for i in range(len(train))])
+        tokens = TokenLengths(lengths, collate.length, micro_tokens, rows=len(keys), totals=totals)
     elif len(datasets.sample_shape) == 1 and isinstance(first, (tuple, list)) and not first[0].is_floating_point():
         tokens = TokenLengths(torch.full((len(train),), datasets.sample_shape[0]), datasets.sample_shape[0],
                               micro_tokens, real=False)  # padded already: the budget counts rows × width

@@ -33,6 +33,8 @@ class Datasets:
     images: Optional[ImageSource] = None  # image data: what augment= makes its views from (accutrain.data.views)
     decoded: bool = False  # each item is read or decoded when asked (files, PIL images): loader workers help
     test: Optional[Dataset] = None  # the test split (data.test), evaluated once at the end with the best and last weights
+    stream: Any = None  # a stream of training samples (data.streaming, core.streams.Source): the windows are cut from
+    # it, and `train` holds its first samples (what the checks before training read)
 
 
 def loader_workers(setting: Any, datasets: Datasets, devices: int) -> int:
@@ -86,3 +88,20 @@ def test_generator(seed: int) -> torch.Generator:
     """The generator of the test split's draws (which samples are held out, generated samples' labels): its own
     stream, so that the training and validation splits are those of a run without one."""
     return torch.Generator().manual_seed(keyed_seed(seed, TEST_STREAM))
+
+
+class Tokenized(Dataset):
+    """Items held in memory: {input_ids, attention_mask, labels}."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def lengths(self) -> torch.Tensor:
+        """Every item's length in tokens (its input_ids)."""
+        return torch.tensor([len(item["input_ids"]) for item in self.items], dtype=torch.int64)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i]

@@ -14,29 +14,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import Dataset
 
 from accutrain.core.batches import PadCollate
 from accutrain.data.datasets import Datasets
+from accutrain.data.splits import Tokenized
 from accutrain.data.packing import describe, pack, packing_mode, packing_name
+from accutrain.data.pairs import PairColumns, is_pairs, line_numbers, pair_datasets, pair_items
+from accutrain.data.pairs import describe as describe_pairs
+from accutrain.data.records import Tally, Where, check_truncation, kept as kept_samples, log_tallies
 from accutrain.data.tokenizer import load_tokenizer, pad_id
 from accutrain.errors import UserError
 from accutrain.seeding import generator
 
 HELD_OUT_STREAM = 1_000_002  # the seed's stream that picks the held-out samples (epochs use streams 0, 1, …)
-
-
-class Tokenized(Dataset):
-    """Items held in memory: {input_ids, attention_mask, labels}."""
-
-    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return self.items[i]
 
 
 class Record(dict):
@@ -168,21 +158,35 @@ def as_items(samples: list[tuple], classes: Optional[list[int]], max_length: int
 
 def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: str, max_length: int, packing: Any,
               padding: str, text_field: str, prompt_field: str, response_field: str, label_field: Optional[str],
-              seed: int, ignore_index: int = -100, test: Optional[str] = None) -> Datasets:
+              seed: int, ignore_index: int = -100, test: Optional[str] = None, anchor_field: str = "anchor",
+              positive_field: str = "positive", negative_field: Any = "negative", truncation: str = "drop"
+              ) -> Datasets:
     """data=text: a training file and a held-out file (or `val_fraction` of the training file, drawn by the seed),
-    and a test file when `test` is given, tokenized; language modelling, or sequence classification when the records
-    carry `label_field`."""
+    and a test file when `test` is given, tokenized; language modelling, sequence classification when the records
+    carry `label_field`, or text pairs (data.pairs) when they carry `anchor_field` and `positive_field`. Every
+    language-modelling record is accounted for (data/records.py)."""
     check_lengths(max_length, padding)
+    check_truncation(truncation)
     packing = packing_mode(packing)
     records = read_records(train, "data.train")
+    tallies = [Tally("data.train", train, read=len(records))]
+    parts = [(records, list(range(len(records))), tallies[0])]
     if val is not None:
         held_out = read_records(val, "data.val")
+        tallies.append(Tally("data.val", val, read=len(held_out)))
+        parts.append((held_out, list(range(len(held_out))), tallies[-1]))
     else:
         kept, out = hold_out(len(records), val_fraction, seed)
-        records, held_out = [records[i] for i in kept], [records[i] for i in out]
-    parts = [(records, train), (held_out, val or train)]
+        parts = [([records[i] for i in kept], kept, tallies[0]), ([records[i] for i in out], out, tallies[0])]
+        tallies[0].held_out = len(out)
     if test is not None:
-        parts.append((read_records(test, "data.test"), test))
+        tested = read_records(test, "data.test")
+        tallies.append(Tally("data.test", test, read=len(tested)))
+        parts.append((tested, list(range(len(tested))), tallies[-1]))
+    columns = PairColumns(anchor_field, positive_field, negative_field)
+    if is_pairs(list(records[0]), columns):
+        return text_pairs([(part, tally.source) for part, _, tally in parts], columns, tokenizer, max_length, packing,
+                          padding, train)
     lm = not (label_field and label_field in records[0])
     if packing and not lm:
         raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; these records carry "
@@ -190,17 +194,37 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
     tok = load_tokenizer(tokenizer)
     fields = dict(text=text_field, prompt=prompt_field, response=response_field)
     splits, names = [], None
-    for part, where in parts:
+    for (part, rows, tally), split in zip(parts, ("training", "held-out", "test")):
+        where = tally.source
         samples = encode(part, tok, fields, lm, ignore_index, where)
         classes = None
         if not lm:
             classes, names = class_index(part, label_field, names, where)
-        elif packing:
-            samples = pack(samples, max_length, packing, ignore_index)
+            tally.truncated += sum(len(ids) > max_length for ids, _ in samples)
+        else:
+            samples = kept_samples(samples, rows, None if packing == "concat" else max_length, ignore_index, lm, tally)
+            if not samples:
+                raise UserError(f"{tally.key}={tally.source}: none of its {split} records is left with a trained "
+                                f"token at data.max_length={max_length}: raise data.max_length")
+            if packing:
+                samples = pack(samples, max_length, packing, ignore_index)
         splits.append(as_items(samples, classes, max_length))
+    log_tallies(tallies, [Where(t.source) for t in tallies], truncation, max_length, lm)
     task = "language modelling" + describe(packing) if lm else f"{len(names)} classes"
     return tokenized_datasets(splits, tok, None if lm else names, max_length, padding, ignore_index,
                               f"text {train} ({task}; tokenizer {tokenizer}, max_length {max_length})")
+
+
+def text_pairs(parts: list[tuple[list[Record], str]], columns: PairColumns, tokenizer: str, max_length: int,
+               packing: Any, padding: str, train: str) -> Datasets:
+    """data=text's records of text pairs (and triples), each split as pair items (data.pairs)."""
+    if packing:
+        raise UserError(f"data.packing={packing_name(packing)} packs language-modelling samples; {train} holds text "
+                        "pairs (an anchor and a positive per record): use data.packing=false")
+    tok = load_tokenizer(tokenizer)
+    splits = [pair_items(part, columns, tok, max_length, where, line_numbers(part)) for part, where in parts]
+    return pair_datasets(splits, tok, max_length, padding, f"text {train} ({describe_pairs(columns, parts[0][0][0])}; "
+                         f"tokenizer {tokenizer}, max_length {max_length})")
 
 
 def check_lengths(max_length: int, padding: str) -> None:

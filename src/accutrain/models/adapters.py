@@ -20,7 +20,8 @@ from accutrain.errors import UserError
 
 ADAPTERS = ("lora",)
 QUANTIZE = ("4bit",)
-TASKS = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSequenceClassification": "SEQ_CLS"}
+TASKS = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSequenceClassification": "SEQ_CLS",
+         "AutoModel": "FEATURE_EXTRACTION"}
 
 
 def require_peft(what: str) -> Any:

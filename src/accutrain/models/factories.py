@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from accutrain.config.targets import instantiate, run_arguments
+from accutrain.config.targets import instantiate, load_target, run_arguments
 from accutrain.core.batches import Batch, as_batch
 from accutrain.errors import UserError, one_line
 
@@ -137,14 +137,21 @@ def data_arguments(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, ex
     return run_arguments("model", cfg, from_data)
 
 
+def loss_defaults(cfg: Any) -> dict[str, Any]:
+    """What the model's factory (or class) says loss.normalize=auto and loss.shift_labels=null become (its
+    `loss_defaults`: model=hf_causal_lm's tokens and shifted labels), else nothing."""
+    return dict(getattr(load_target("model._target_", cfg["_target_"]), "loss_defaults", {}))
+
+
 def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,
-                example: Optional[Batch | tuple[Any, torch.Tensor]] = None) -> nn.Module:
+                example: Optional[Batch | tuple[Any, torch.Tensor]] = None, logits: bool = True) -> nn.Module:
     """Instantiate the model node `cfg` (`_target_` and its keyword arguments) with the data's arguments that it
     takes (data_arguments; a run records them in its node first).
 
     A dry forward pass (on two samples of the data, `example`, or two blank images) checks that the model takes
     the data and returns one logit per class (per element: at least one per class, in dimension 1), so a mismatch
-    is one clear line now rather than a traceback in the first step.
+    is one clear line now rather than a traceback in the first step; a model of embeddings (`logits` false: the
+    loss compares its outputs with each other) is checked by the loss instead.
     """
     node = {**dict(cfg), **data_arguments(cfg, sample_shape, num_classes, extra)}
     try:
@@ -157,10 +164,13 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         raise UserError(f"the model {cfg['_target_']} raised {one_line(e)} while being built") from e
     if not isinstance(model, nn.Module):
         raise UserError(f"model._target_={cfg['_target_']} returned {type(model).__name__}, not a torch.nn.Module")
+    check_positions(model, sample_shape)
     if example is None:
         example = Batch(torch.zeros(2, *sample_shape), torch.zeros(2, dtype=torch.int64))
     example = as_batch(example).to(weights_device(model))  # a 4-bit model: on the GPU
     name = model_name(cfg)
+    if not logits:
+        return model
     model.eval()
     check_output(model, example, num_classes, name)
     target = example.target
@@ -171,6 +181,17 @@ def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra
         check_output(model, shorter, num_classes, name, second=True)
     model.train()
     return model
+
+
+def check_positions(model: nn.Module, sample_shape: tuple[int, ...]) -> None:
+    """Token data's data.max_length (its samples' shape) within the positions the model has, or one line: a longer
+    sample would fail in its position embeddings — at the first long one, an evaluation maybe, hours in."""
+    limit = getattr(model, "max_positions", None)
+    if limit is not None and len(sample_shape) == 1 and sample_shape[0] > limit[1]:
+        key, positions = limit
+        raise UserError(f"data.max_length={sample_shape[0]} is more than the model's {positions} positions "
+                        f"({key}): a longer sample would not fit its position embeddings; set data.max_length ≤ "
+                        f"{positions}")
 
 
 def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, second: bool = False) -> None:

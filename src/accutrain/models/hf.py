@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import adapters, packed
+from accutrain.models import adapters, neftune, packed
 from accutrain.models.adapters import first_line
 from accutrain.models.pitfalls import STOCHASTIC
 
@@ -74,6 +74,14 @@ class HFAdapter(nn.Module):
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
+    @property
+    def max_positions(self) -> Optional[tuple[str, int]]:
+        """(the config's key, its value): the positions the model has (n_positions, max_position_embeddings)."""
+        for key in ("n_positions", "max_position_embeddings"):
+            if isinstance(value := getattr(self.model.config, key, None), int):
+                return key, value
+        return None
+
     def save_pretrained(self, directory: Path, merged: bool = False) -> None:
         """save_pretrained of the model; an adapted one writes its adapter as PEFT saves it, or (`merged`) the
         base model with the adapter merged into its weights (which leaves this model merged)."""
@@ -127,25 +135,36 @@ def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) ->
 
 
 def causal_lm(num_classes: int, adapter: Optional[str] = None, lora: Optional[dict] = None,
-              quantize: Optional[str] = None, **kwargs: Any) -> HFCausalLM:
+              quantize: Optional[str] = None, neftune_alpha: Optional[float] = None, **kwargs: Any) -> HFCausalLM:
     """model=hf_causal_lm: AutoModelForCausalLM; a random initialisation takes the data's vocabulary; `adapter`
-    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model."""
+    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model; `neftune_alpha`: NEFTune."""
     adapters.check(adapter, quantize)
+    neftune.check(neftune_alpha)
     model = load("AutoModelForCausalLM", num_labels=None, vocab_size=kwargs.pop("vocab_size", num_classes),
                  quantize=quantize, **kwargs)
-    return HFCausalLM(adapt(model, "AutoModelForCausalLM", adapter, lora, quantize))
+    wrapped = HFCausalLM(adapt(model, "AutoModelForCausalLM", adapter, lora, quantize))
+    neftune.attach(wrapped, wrapped.model, neftune_alpha)
+    return wrapped
+
+
+causal_lm.loss_defaults = HFCausalLM.loss_defaults  # type: ignore[attr-defined]  # read before the model is built
 
 
 def seq_cls(num_classes: int, class_names: Optional[list[str]] = None, adapter: Optional[str] = None,
-            lora: Optional[dict] = None, quantize: Optional[str] = None, **kwargs: Any) -> HFSeqCls:
+            lora: Optional[dict] = None, quantize: Optional[str] = None, neftune_alpha: Optional[float] = None,
+            **kwargs: Any) -> HFSeqCls:
     """model=hf_seq_cls: AutoModelForSequenceClassification with a head of the data's `num_classes` (named by
-    `class_names` in the exported config's id2label); `adapter` as for causal_lm (the head is trained whole)."""
+    `class_names` in the exported config's id2label); `adapter` and `neftune_alpha` as for causal_lm (the head is
+    trained whole)."""
     adapters.check(adapter, quantize)
+    neftune.check(neftune_alpha)
     model = load("AutoModelForSequenceClassification", num_labels=num_classes, quantize=quantize, **kwargs)
     if class_names:
         model.config.id2label = dict(enumerate(class_names))
         model.config.label2id = {name: i for i, name in enumerate(class_names)}
-    return HFSeqCls(adapt(model, "AutoModelForSequenceClassification", adapter, lora, quantize))
+    wrapped = HFSeqCls(adapt(model, "AutoModelForSequenceClassification", adapter, lora, quantize))
+    neftune.attach(wrapped, wrapped.model, neftune_alpha)
+    return wrapped
 
 
 def adapt(model: nn.Module, auto_class: str, adapter: Optional[str], lora: Optional[dict],
@@ -167,7 +186,8 @@ def load(auto_class: str, name_or_path: Optional[str] = None, pretrained: bool =
          eos_token_id: Optional[int] = None, quantize: Optional[str] = None) -> nn.Module:
     """The Hugging Face model as configured: `name_or_path`'s weights (pretrained) or its architecture, or
     `config` (with its model_type) randomly initialised; `config` overrides, dropout set, the data's pad token."""
-    what = "model=hf_causal_lm" if auto_class == "AutoModelForCausalLM" else "model=hf_seq_cls"
+    what = {"AutoModelForCausalLM": "model=hf_causal_lm", "AutoModel": "model=hf_encoder"}.get(auto_class,
+                                                                                             "model=hf_seq_cls")
     transformers = require_transformers(what)
     if dtype not in DTYPES:
         raise UserError(f"model.dtype={dtype} is not valid: expected one of {', '.join(DTYPES)}")

@@ -21,17 +21,31 @@ log = logging.getLogger("accutrain")
 OWN = ("normalize", "ignore_index")  # a custom loss's keys that accutrain applies, not its _target_
 
 
-def build_loss(node: Mapping[str, Any], model: Optional[nn.Module] = None) -> Loss:
-    """The loss the node (`_target_` and its keyword arguments) describes; `model` lends its defaults
-    (model=hf_causal_lm: tokens, shifted labels) to the built-in factories that take it."""
+def build_loss(node: Mapping[str, Any], model_defaults: Optional[dict] = None) -> Loss:
+    """The loss the node (`_target_` and its keyword arguments) describes; the built-in factories that take them get
+    the model's defaults (supplied_arguments)."""
     values = dict(node)
     make = load_target("loss._target_", values["_target_"])
     kwargs = {k: v for k, v in values.items() if k != "_target_"}
-    if getattr(make, "__module__", "").startswith("accutrain.core."):  # a built-in option's factory
-        return make(**kwargs, **accepted(make, dict(model=model)))
+    if builtin(make):
+        return make(**kwargs, **supplied_arguments(node, model_defaults))
     own = {k: kwargs.pop(k) for k in OWN if k in kwargs}
     fn: Any = make(**kwargs) if inspect.isclass(make) else functools.partial(make, **kwargs) if kwargs else make
     return losses.custom(fn, values["_target_"], **own)
+
+
+def supplied_arguments(node: Mapping[str, Any], model_defaults: Optional[dict]) -> dict[str, Any]:
+    """What the run supplies to the loss's factory: the model's defaults (its factory's `loss_defaults`:
+    model=hf_causal_lm's tokens and shifted labels), to a built-in factory that takes them and is not given them."""
+    make = load_target("loss._target_", node["_target_"])
+    if not model_defaults or not builtin(make) or "model_defaults" in node:
+        return {}
+    return accepted(make, dict(model_defaults=dict(model_defaults)))
+
+
+def builtin(make: Any) -> bool:
+    """A built-in option's factory (accutrain.core's), not a user's per-term loss."""
+    return getattr(make, "__module__", "").startswith("accutrain.core.")
 
 
 def check(loss: Loss, model: nn.Module, example: Batch, data: str) -> None:

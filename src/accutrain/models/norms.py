@@ -68,7 +68,8 @@ def batchnorm_warning(model: nn.Module, micro_batch: int, effective: int, device
     seen = micro_batch * (devices if synced else 1)  # the samples one BatchNorm statistic is taken over
     if not norms or seen >= effective:
         return None
-    return (f"{norms} BatchNorm layers take their statistics over {seen} samples, not the window's {effective} "
+    layers = "BatchNorm layer takes its statistics" if norms == 1 else "BatchNorm layers take their statistics"
+    return (f"{norms} {layers} over {seen} samples, not the window's {effective} "
             f"(remedies: train.log)\nthe accumulated step is not exactly the big batch's (accutrain-check measures by "
             f"how much). Remedies: {REMEDIES}")
 

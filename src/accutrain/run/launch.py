@@ -6,7 +6,6 @@ import logging
 import logging.config
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -23,10 +22,10 @@ from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, RankDied, UserError
 from accutrain.models.norms import batchnorm_in
-from accutrain.run.scheduler import launcher_name, scheduler_started
+from accutrain.run.scheduler import launcher_name
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
-from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, ctrl_c_ignored, die_with_parent, signal_numbers
+from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, die_with_parent, signal_numbers
 from accutrain.store import checkpoint
 from accutrain.train.loop import Outcome
 
@@ -46,12 +45,11 @@ def place(cfg: TrainConfig) -> Ranks:
     """The device and the number of ranks the config asks for, checked against the machine. Raises UserError."""
     device = resolve_device(cfg.trainer.device)
     world = torchrun_world()
-    # A scheduler's tasks (srun, a submitit job) are the devices: `devices` left at its default 1 means them too,
-    # as the multi-node presets cannot set it.
-    from_scheduler = scheduler_started() and cfg.devices == 1
-    if world is not None and cfg.devices not in ("auto", world.size) and not from_scheduler:
+    # A world's processes (torchrun's, a scheduler's tasks) are the devices: `devices` left at its default 1 means
+    # them too, as the recipes and the multi-node presets leave it
+    if world is not None and cfg.devices not in ("auto", 1, world.size):
         raise UserError(f"devices={cfg.devices} but {launcher_name()} started {world.size} processes: leave "
-                        f"devices=auto or set devices={world.size}")
+                        f"devices out (its default, or auto, means the processes started) or set devices={world.size}")
     if world is not None and cfg.micro_batch != "auto" and cfg.batch_schedule is None:
         window_split(cfg.micro_batch, world.size, cfg.accum, cfg.global_batch,  # this world's split, one line
                      cfg.micro_tokens)
@@ -150,7 +148,11 @@ class _Job:
 
 def _worker(local_rank: int, job: _Job) -> None:
     die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # started with Ctrl-C ignored (ctrl_c_ignored)
+    if hasattr(os, "setsid"):  # a session of its own, as torchrun's workers: the terminal's Ctrl-C reaches the command
+        os.setsid()  # alone, which passes it on once (spawn) — not twice, which a rank would take for a second Ctrl-C
+    # The fork server ignores Ctrl-C (accutrain.run.forkserver); a rank takes the command's at once — before it trains
+    # a KeyboardInterrupt (exit 130 below), then its stop request's handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
         os.environ.clear()
         os.environ.update(job.environ)
@@ -259,13 +261,8 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
                 os.kill(process.pid, signum)
 
     try:
-        with ctrl_c_ignored():  # the fork server (or spawned workers) start ignoring Ctrl-C: it is this process's
-            if method == "forkserver":  # to answer (it kills them); a worker answers it once it runs
-                multiprocessing.forkserver.ensure_running()
-            else:
-                context = start()
         with ctrl_c_deferred():  # answered once every worker forked is known here (a worker whose parent is gone
-            context = context or start()  # as it starts would print a traceback)
+            context = start()  # as it starts would print a traceback)
         with StopRequest(on_request=pass_on, announce=False, signals=signals):
             failed = first_failure(context)
             if failed is not None and context.processes[failed].exitcode == 128 + signal.SIGINT:

@@ -17,12 +17,16 @@ SOURCE = "ACCUTRAIN_WORLD_FROM"  # which launcher the exported world came from (
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: `gpu[07-09,12],cpu3` → `gpu07`, `node1,node2` → `node1`."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if match is None or not match.group(1):
-        raise UserError(f"cannot read the node list {nodelist!r} (SLURM_STEP_NODELIST / SLURM_JOB_NODELIST)")
-    prefix, ranges = match.group(1), match.group(2)
-    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
+    """The first host of a SLURM node list, as SLURM expands it: hosts separated by commas outside brackets, each
+    bracket group the first number of its list of numbers and ranges (its zero padding kept), several groups and a
+    suffix allowed: `gpu[07-09,12],cpu3` → `gpu07`, `n[001-004]-ib` → `n001-ib`, `a[1-2]b[3-4]` → `a1b3`."""
+    text = nodelist.strip()
+    first = re.match(r"(?:[^,\[\]]|\[[^\[\]]*\])*", text).group(0)  # up to the first comma outside brackets
+    if not first or not re.fullmatch(r"(?:[^,\[\]]|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+", first) or \
+            (len(first) < len(text) and text[len(first)] != ","):
+        raise UserError(f"cannot read the node list {nodelist!r} (SLURM_STEP_NODELIST / SLURM_JOB_NODELIST): expected "
+                        "hosts such as node1,node2 or gpu[07-09,12]")
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", first)
 
 
 def port_for(job_id: str) -> int:
@@ -88,11 +92,6 @@ def adopt_scheduler_world(env: MutableMapping[str, str] = os.environ) -> Optiona
             env[SOURCE] = source
             return source
     return None
-
-
-def scheduler_started(env: MutableMapping[str, str] = os.environ) -> bool:
-    """This process is a task of a world adopted from a scheduler (not torchrun's)."""
-    return bool(env.get(SOURCE))
 
 
 def launcher_name(env: MutableMapping[str, str] = os.environ) -> str:

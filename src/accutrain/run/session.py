@@ -16,6 +16,8 @@ from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import NonFinite, UserError
 from accutrain.parallel.state_dicts import write_sharded
+from accutrain.report.noise import late
+from accutrain.report.runs import RunRow, read_run
 from accutrain.run.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import checkpoint, owned
@@ -27,7 +29,7 @@ from accutrain.train import check
 from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
-from accutrain.train.metrics import MetricsLog, summary_line
+from accutrain.train.metrics import MetricsLog, summary_lines
 from accutrain.train.resume import checkpoint_state, resume_point, start_branch
 from accutrain.train.testing import headline, run_test
 
@@ -90,9 +92,10 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
         out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=parts.device), world).item())
     if world.main:
+        row = read_run(run_dir, run_dir.name)  # the run as its summary table (accutrain-report) gives it
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
-                        out.peak_mb, noise_summary(parts))
-        say_how_it_ended(parts, out, run_dir)
+                        out.peak_mb, noise_summary(parts, row))
+        say_how_it_ended(parts, out, run_dir, row)
     parts.strategy.close()
     if world.main:
         save.raise_if_the_last_failed()
@@ -240,16 +243,19 @@ def finite_weights(parts: Components, state: dict, shards: Optional[dict]) -> bo
     return bool(dist.all_reduce_min(torch.tensor(float(local)), parts.world).item())
 
 
-def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path) -> None:
+def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path, row: RunRow) -> None:
     p, monitor = out.progress, parts.monitor
     best = monitor.describe(p.best, p.best_step) if p.best is not None else None
-    noise = noise_summary(parts)
-    log.info(summary_line(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb, out.tokens,
-                          parts.world.size)
-             + (f", {p.skipped} non-finite windows skipped" if p.skipped else "")
-             + (f", {headline(out.test, monitor.metric)}" if out.test is not None else "")
-             + (f", noise scale B_simple {noise['b_simple']:.4g} at effective batch {noise['effective']:.0f}"
-                if noise else ""))
+    done, *results = summary_lines(p.step, p.samples, out.samples, out.seconds, p.last_loss, best, out.peak_mb,
+                                   out.tokens, parts.world.size, row.samples_per_s)
+    results += [f"{p.skipped} non-finite window{'s' if p.skipped > 1 else ''} skipped"] if p.skipped else []
+    results += [headline(out.test, monitor.metric)] if out.test is not None else []
+    for line in [done, ", ".join(results)] if results else [done]:
+        log.info(line)
+    noise = noise_summary(parts, row)
+    if noise:  # the figure accutrain-report's verdict reads
+        log.info(f"noise scale B_simple ≈ {noise['b_simple']:.3g} late in training, at effective batch "
+                 f"{noise['effective']:.0f}")
     if out.test is not None:
         add_to_status(run_dir, test={k: v for k, v in out.test.items() if k != "kind"})
     if out.peak_mb:
@@ -270,10 +276,8 @@ def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path) -> None:
         log.info(f"outputs in {run_dir}")
 
 
-def noise_summary(parts: Components) -> dict[str, float]:
-    """trainer.noise_scale's last smoothed B_simple beside the effective batch of this session's latest window ({}
-    when it is off or has no estimate yet)."""
-    b_simple = parts.noise.b_simple() if parts.noise is not None else None
-    if b_simple is None or parts.noise.effective is None:
-        return {}
-    return dict(b_simple=b_simple, effective=float(parts.noise.effective))
+def noise_summary(parts: Components, row: RunRow) -> dict[str, float]:
+    """trainer.noise_scale's figure as accutrain-report reads it from metrics.jsonl — the median B_simple over the
+    last fifth of the steps, beside the median effective batch there — ({} when it is off or has no estimate)."""
+    found = late(row) if parts.noise is not None else None
+    return dict(b_simple=found[0], effective=float(found[1])) if found else {}

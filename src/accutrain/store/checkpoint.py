@@ -280,7 +280,7 @@ class Rotation:
             if path.is_file() and step_path.is_file() and same_file(path, step_path):
                 return float(step_number(step_path))
         try:
-            return float(load(path, mmap=True)["step"])
+            return float(load(path, mmap=True, evaluation=True)["step"])  # best.pt: weights only
         except (UserError, KeyError, TypeError, ValueError):
             return float("inf")
 

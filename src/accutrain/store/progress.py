@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from accutrain.core.plan import BatchPlan
 from accutrain.core.windows import Window
 
 
@@ -34,11 +33,11 @@ class Progress:
         """The epoch (from 0) of the optimizer step just taken: the next window may already be the next epoch's."""
         return self.epoch if self.window else self.epoch - 1
 
-    def advance(self, window: Window, plan: BatchPlan, loss: float, skipped: Optional[str]) -> None:
+    def advance(self, window: Window, loss: float, skipped: Optional[str]) -> None:
         """Count the window's optimizer step (taken or skipped) and move to the next window."""
         self.step, self.samples = self.step + 1, self.samples + window.size
         self.skipped += skipped == "nonfinite"
-        if window.index == len(plan.window_sizes(window.epoch)) - 1:
+        if window.last:
             self.epoch, self.window = self.epoch + 1, 0
         else:
             self.window = window.index + 1

@@ -25,6 +25,7 @@ from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use
 from accutrain.core.token_budget import TokenLengths
+from accutrain.core.streams import StreamSampler
 from accutrain.core.windows import WindowSampler, window_loader
 from accutrain.data import datasets as data
 from accutrain.data import checks as data_checks
@@ -54,7 +55,8 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     precision = make_precision(trainer.precision, device)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
-    model, loss, supplied["model"], base = build_model(cfg, datasets, batches, world, device, precision, strategy)
+    model, loss, built, base = build_model(cfg, datasets, batches, world, device, precision, strategy)
+    supplied.update({node: arguments for node, arguments in built.items() if arguments})
     model = strategy.prepare(model)
     losses.attach(loss, model)  # a learnt temperature: a parameter of the model, before the optimizer
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
@@ -81,7 +83,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         norms.sync_batchnorm(model)
     plan = make_plan(
         micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
-        train_size=len(datasets.train), last_window=trainer.last_window,
+        train_size=None if datasets.stream is not None else len(datasets.train), last_window=trainer.last_window,
         epochs=trainer.epochs, max_steps=trainer.max_steps, schedule=cfg.batch_schedule,
         micro_tokens=cfg.micro_tokens,
     )
@@ -92,6 +94,10 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
                            f"training samples, windows of {plan.effective}): set trainer.last_window=drop, or an "
                            "effective batch that leaves a larger remainder"))
     tokens = token_lengths(datasets, batches, plan.micro_tokens)  # token data: micro_tokens' cut, padding figures
+    if datasets.stream is not None and plan.micro_tokens is not None and plan.micro_tokens < datasets.sample_shape[0]:
+        raise UserError(f"micro_tokens={plan.micro_tokens} is less than data.max_length={datasets.sample_shape[0]}: "
+                        "a stream's samples are seen only as it is read, so the budget must hold the longest any can "
+                        f"be; set micro_tokens ≥ {datasets.sample_shape[0]} (or a smaller data.max_length)")
     for line in plan.describe():
         log.info(line)
     log.info(data.describe_split_sizes(datasets))
@@ -111,7 +117,9 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         log.info(line)
 
     pin = device.type == "cuda"
-    sampler = WindowSampler(plan, cfg.seed, world.rank, world.size, mixer, tokens)  # MixUp/CutMix drawn per window
+    sampler = (WindowSampler(plan, cfg.seed, world.rank, world.size, mixer, tokens) if datasets.stream is None else
+               StreamSampler(plan, datasets.stream, cfg.seed, datasets.stream.buffer_size, world.rank, world.size,
+                             tokens.padded_to if tokens is not None else None))  # MixUp/CutMix drawn per window
     # The loaders draw their workers' seeds from generators of their own, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward
@@ -119,7 +127,8 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     workers = data.loader_workers(cfg.loader.num_workers, datasets, world.size)
     loader = window_loader(datasets.train, sampler, workers, pin,
                            generator=torch.Generator().manual_seed(cfg.seed), batch_format=batches,
-                           stand_in=not synced and not strategy.lockstep)
+                           stand_in=not synced and not strategy.lockstep,
+                           sample_seeds=cfg.seed if getattr(model, "sample_seeds", False) else None)  # NEFTune
     val_loader, test_loader = (None if split is None else strategy.eval_batches(
         data.eval_loader(Subset(split, range(world.rank, len(split), world.size)),  # no padding: exact
                          trainer.eval_batch or eval_rows(plan, tokens), workers, pin, cfg.seed, collate=batches),

@@ -1,7 +1,6 @@
 """The model of a run, sized to its data, and the loss checked with it; how the ranks share it (the strategy)."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -25,27 +24,30 @@ log = logging.getLogger("accutrain")
 
 def build_model(cfg: TrainConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
                 precision: Precision, strategy: Strategy
-                ) -> tuple[nn.Module, Loss, dict[str, Any], Optional[dict[str, Any]]]:
-    """The model sized to the data, its BatchNorm layers as `batchnorm.convert` asks, activation checkpointing, on
-    the device (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm comes later, in
-    build, once micro_batch=auto has searched); the run's loss, checked with it on the first samples; the
-    arguments the run supplied to the model's factory (num_classes, in_channels, …); and what the frozen base of an
-    adapted model is (models.adapters.base_record: the checkpoints record it, a resume compares it)."""
-    supplied = models.data_arguments(cfg.model, datasets.sample_shape, datasets.num_classes, datasets.extra)
-    node = cfg.model.node(supplied)
+                ) -> tuple[nn.Module, Loss, dict[str, dict[str, Any]], Optional[dict[str, Any]]]:
+    """The run's loss, and the model sized to the data, its BatchNorm layers as `batchnorm.convert` asks, activation
+    checkpointing, on the device (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm
+    comes later, in build, once micro_batch=auto has searched), the loss checked with it on the first samples; the
+    arguments the run supplied to their factories (the model's num_classes, in_channels, …; the loss's model
+    defaults); and what the frozen base of an adapted model is (models.adapters.base_record: the checkpoints record
+    it, a resume compares it)."""
+    supplied = dict(model=models.data_arguments(cfg.model, datasets.sample_shape, datasets.num_classes,
+                                                datasets.extra))
+    node = cfg.model.node(supplied["model"])
+    defaults = models.loss_defaults(node)
+    loss = losses.build_loss(cfg.loss.node(), defaults)
+    supplied["loss"] = losses.supplied_arguments(cfg.loss.node(), defaults)
     first = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
-    example = first
-    if cfg.augment.views > 1:  # pairs of views: the model embeds one view at a time
-        example = dataclasses.replace(example, inputs=example.inputs[:, 0])
+    example = loss.probe(first)  # one input per row: a view of an image pair, an anchor of a text pair
     if isinstance(example.inputs, dict) and "document_ids" in example.inputs and \
             cfg.model.target.startswith("accutrain.models.") and cfg.model.target != "accutrain.models.hf.causal_lm":
         raise UserError(f"data.packing=true keeps each packed document's positions and attention to itself, which "
                         f"model {models.model_name(node)} cannot take (document_ids): use model=hf_causal_lm, or "
                         "data.packing=concat (attention crossing documents)")
-    model = models.build_model(node, datasets.sample_shape, datasets.num_classes, datasets.extra, example)
+    model = models.build_model(node, datasets.sample_shape, datasets.num_classes, datasets.extra, example,
+                               logits=loss.output == "logits")
     base = adapters.base_record(model, node)  # as the factory built it, before trainer.precision casts it
     norms.convert_norm(model, cfg.batchnorm.convert, cfg.batchnorm.groups)
-    loss = losses.build_loss(cfg.loss.node(), model)  # loss=: summed per term, |W| counted from the targets
     losses.check(loss, model, first.to(models.weights_device(model)), cfg.data.target)
     if cfg.trainer.activation_checkpointing:
         if wrapped := enable_activation_checkpointing(model):

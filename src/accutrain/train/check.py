@@ -25,7 +25,7 @@ from accutrain.core.batches import Batch, as_batch
 from accutrain.core.loss import Loss
 from accutrain.core.plan import window_split
 from accutrain.core.precision import full_float32, tolerance
-from accutrain.core.windows import MicroBatch, WindowSampler
+from accutrain.core.windows import MicroBatch
 from accutrain.dist import World, count_devices, resolve_device
 from accutrain.models.norms import REMEDIES, batchnorm_layers, local_batchnorm
 from accutrain.models.pitfalls import dropout_layers
@@ -96,7 +96,7 @@ def window_batches(parts: Components, devices: int = 1) -> tuple[list[Batch], Ba
     """The run's first window (epoch 0) as the micro-steps that run it — each every device's micro-batch of that
     step when `devices` > 1 (SyncBatchNorm normalises over them together) — and as one batch (padded to its
     longest sample, for data padded per micro-batch)."""
-    sampler = WindowSampler(parts.plan, parts.run.seed)  # rank 0 of 1: every device's micro-batches, in turn
+    sampler = parts.sampler.alone()  # rank 0 of 1: every device's micro-batches, in turn
     sampler.set_epoch(0)
     micro_batches = next(sampler.windows())
 

@@ -17,6 +17,7 @@ from accutrain.train.monitor import Monitor
 from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision
+from accutrain.core.streams import StreamSampler
 from accutrain.core.windows import InProcessLoader, WindowSampler
 from accutrain.dist import World
 from accutrain.models.ema import EMA
@@ -40,7 +41,7 @@ class Components:
     strategy: Strategy  # how the ranks share the model: no_sync, the reductions' counts, checkpoint state
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: WindowSampler
+    sampler: WindowSampler | StreamSampler  # the training set's windows (a stream's: core/streams.py)
     loader: DataLoader | InProcessLoader  # yields (window, micro-batch) in the sampler's order
     val_loader: DataLoader
     precision: Precision

@@ -89,11 +89,15 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
             if parts.noise is not None:  # B_simple from the window's micro-batches and its whole gradient
                 parts.noise.settle(settled.norm, window.size, taken=skipped is None, effective=window.batch)
             parts.optimizer.zero_grad(set_to_none=True)
-            progress.advance(window, plan, loss, skipped)
+            progress.advance(window, loss, skipped)
             record(window, terms, loss, lr, settled, skipped,
                    sum(pieces(n, progress.oom_parts) for n in window.sizes))
 
-            step, done, patience_out = progress.step, progress.step == plan.total_steps, False
+            step, patience_out = progress.step, False
+            done = step == plan.total_steps or (window.last and progress.epoch == plan.total_epochs)
+            if done and step < plan.total_steps:  # a stream whose passes (trainer.epochs) ended first
+                log.info(f"the stream's {plan.total_epochs} passes (trainer.epochs) ended at optimizer step {step}, "
+                         f"before trainer.max_steps={plan.total_steps}: the run ends here")
             if done or (step % trainer.eval_every == 0 if trainer.eval_every else progress.window == 0):
                 if run_validation(parts, metrics, progress):
                     save(progress, best=True)

@@ -93,22 +93,26 @@ class MetricsLog:
             self.file = None
 
 
-def summary_line(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
-                 best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None,
-                 ranks: int = 1) -> str:
-    """The final line: steps and samples of the whole run; time and speed of this session (a resume is one), in
-    tokens/s too when the loss terms are tokens (`session_tokens`); the best evaluation of the monitored metric
-    (`best`, said as Monitor.describe says it); the peak memory, the most of any rank's when `ranks` > 1."""
+def summary_lines(steps: int, samples: int, session_samples: int, seconds: float, last_loss: Optional[float],
+                  best: Optional[str], peak_mb: float = 0.0, session_tokens: Optional[int] = None,
+                  ranks: int = 1, median_per_s: Optional[float] = None) -> list[str]:
+    """The closing lines, each short enough for a terminal: what was done — steps and samples of the whole run, this
+    session's time (a resume is one) and its speed overall (in tokens/s too when the loss terms are tokens), beside
+    `median_per_s`, the run's median optimizer step's (the samples/s of its summary table) — then the results: the
+    last loss, the best evaluation of the monitored metric (`best`, as Monitor.describe says it), the peak memory
+    (the most of any rank's when `ranks` > 1)."""
     def per_s(n: int) -> float:
         return n / seconds if seconds > 0 else float("nan")
 
     speed = f"{per_s(session_samples):.0f} samples/s" + (
-        f", {per_s(session_tokens):.0f} tokens/s" if session_tokens is not None else "")
-    parts = [f"done: {steps} optimizer steps, {samples} samples seen, {seconds:.1f} s ({speed})"]
-    if last_loss is not None:
-        parts.append(f"last loss {last_loss:.4f}")
+        f" ({per_s(session_tokens):.0f} tokens/s)" if session_tokens is not None else "") + " overall"
+    if median_per_s is not None:
+        speed += f", {median_per_s:.0f} at the median step"
+    results = [f"last loss {last_loss:.4f}"] if last_loss is not None else []
     if best is not None:
-        parts.append(best)
+        results.append(best)
     if peak_mb:
-        parts.append(f"peak memory {peak_mb:.0f} MiB" + (f" (the most of {ranks} ranks)" if ranks > 1 else ""))
-    return ", ".join(parts)
+        results.append(f"peak memory {peak_mb:.0f} MiB" + (f" (the most of {ranks} ranks)" if ranks > 1 else ""))
+    done = f"{steps} optimizer step{'' if steps == 1 else 's'}, {samples} samples seen in {seconds:.1f} s"
+    return [f"done: {done}: {speed}",
+            *([", ".join(results)] if results else [])]

@@ -39,6 +39,7 @@ def checkpoint_state(parts: Components, p: Progress) -> tuple[dict[str, Any], Op
         plan=parts.plan.record(), config=with_supplied(parts.run, parts.supplied),
         step=p.step, epoch=p.epoch, monitor=parts.monitor.metric, base=parts.base,
         noise_scale=parts.noise.state_dict() if parts.noise is not None else None,
+        stream=parts.sampler.state_dict(p.epoch, p.window),  # a stream's position (None for a map-style set)
     ), shards
 
 
@@ -132,6 +133,7 @@ def restore(parts: Components, path: Path) -> Progress:
     if parts.precision.scaler and state.get("scaler"):
         parts.precision.scaler.load_state_dict(state["scaler"])
     p = Progress.from_record(state["progress"])
+    parts.sampler.load_state_dict(state.get("stream"))  # a stream continues where it stood
     if parts.noise is not None and state.get("noise_scale"):  # the noise scale's moving averages go on where they were
         parts.noise.load_state_dict(state["noise_scale"])
     if parts.ema is not None and state.get("ema") is None:

@@ -2,6 +2,7 @@
 — what chat and prompt masking (and packing) made of a record — without building the model."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -38,9 +39,15 @@ def show_sample(cfg: TrainConfig, index: int) -> str:
     with torch.random.fork_rng(devices=[]):
         datasets, _ = data_checks.prepare(instantiate("data", cfg.data.node(supplied)), cfg)
     train, tok = datasets.train, datasets.tokenizer
-    if not 0 <= index < len(train):
+    if datasets.stream is not None:  # a stream: its sample `index` in the order it is read (before the shuffle)
+        item = next(itertools.islice(datasets.stream.open(None), index, None), None) if index >= 0 else None
+        if item is None:
+            raise UserError(f"--show-sample={index}: the stream holds fewer samples")
+        of = "the stream (in the order it is read, before its shuffle buffer)"
+    elif not 0 <= index < len(train):
         raise UserError(f"--show-sample={index}: the training split has {len(train)} samples (0 to {len(train) - 1})")
-    item = train[index]
+    else:
+        item, of = train[index], str(len(train))
     if tok is None or not isinstance(item, dict) or "input_ids" not in item or item["labels"].dim() != 1:
         raise UserError("--show-sample shows a language-modelling sample of tokenized text (data=text, data=hf); "
                         f"this data ({cfg.data.target}) has none")
@@ -67,7 +74,7 @@ def show_sample(cfg: TrainConfig, index: int) -> str:
             flag = counted[position]
         run.append(token)
     flush()
-    head = (f"training sample {index} of {len(train)}, data {datasets.description}\n{len(ids)} tokens, "
+    head = (f"training sample {index} of {of}, data {datasets.description}\n{len(ids)} tokens, "
             f"{sum(counted)} counted in the loss, between {OPEN} and {CLOSE}; the rest is context"
             + (f"; {len(starts)} packed documents" if documents is not None else ""))
     return head + "\n" + "".join(rendered)
