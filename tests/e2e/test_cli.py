@@ -217,10 +217,11 @@ def make(**arguments):
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["launching 2 worker processes", "building"])
 def test_ctrl_c_while_the_workers_start_is_one_line_and_leaves_nothing(tmp_path, when):
-    """Issue 44: Ctrl-C (to the whole process group, as a terminal sends it) while devices=2's workers started — the
-    fork server importing PyTorch, a rank making its data — printed a worker's traceback, or hung: a rank's
-    KeyboardInterrupt ended it with exit code 0, and its peer waited for it. Now one line, exit 130, nothing of
-    the run left (it had not taken its directory over) and no process."""
+    """Issue 44: Ctrl-C (to the whole process group, as a terminal sends it) while devices=2's workers start — the
+    fork server forking them, a rank making its data — printed a worker's traceback (one forked for a command that
+    was gone), was lost (the ranks ignored it until they trained) or hung (a rank's KeyboardInterrupt ended it with
+    exit code 0, its peer waiting for it). Now one line, exit 130, nothing of the run left (it had not taken its
+    directory over) and no process of the command's."""
     import os
     import signal
     import time
