@@ -112,6 +112,21 @@ def test_a_refused_command_puts_back_only_what_it_wrote(tmp_path):
     assert not run_dir.exists()  # made by the command, and empty now
 
 
+def test_a_file_named_from_two_places_is_put_back_as_one(tmp_path, monkeypatch):
+    """The claim names the run directory as the command line gives it (runs/x), the job as Hydra's absolute output
+    directory: Hydra's record kept under one name and found under the other was removed, not put back."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    overrides = tmp_path / "runs" / "x" / "overrides.yaml"
+    overrides.write_text("- seed=0\n")
+    changes = record.Changes()
+    changes.was({Path("runs/x/overrides.yaml"): b"- seed=0\n"})
+    overrides.write_text("- resume=auto\n")  # what Hydra writes for the command
+    changes.found({overrides: b"- resume=auto\n"})
+    changes.put_back()
+    assert overrides.read_text() == "- seed=0\n"
+
+
 def test_a_claim_the_disk_refuses_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     """The disk fills between the command's checks and its claim: one line, and neither its lock nor its mark
     left behind."""

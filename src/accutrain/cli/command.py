@@ -58,8 +58,7 @@ def keep_hydra_record(decided: Decided, place: Place) -> record.Changes:
     """What the command will change in `place`, starting from Hydra's record there as it is now: what Hydra writes
     over before the job runs."""
     changes = decided.changes.setdefault(os.path.abspath(place.path), record.Changes())
-    for path, content in record.hydra_record(place.path, place.subdir).items():
-        changes.before[path] = content
+    changes.was(record.hydra_record(place.path, place.subdir))
     return changes
 
 

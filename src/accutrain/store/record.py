@@ -26,6 +26,12 @@ def snapshot(directory: Path, names: tuple[str, ...] = ()) -> Files:
     return found
 
 
+def absolute(path: Path) -> Path:
+    """One name per file, whatever the working directory a caller named it from (a run directory given as
+    runs/x, and as Hydra's absolute output directory)."""
+    return Path(os.path.abspath(path))
+
+
 def current(path: Path) -> Optional[bytes]:
     """The file's bytes now, None when there is none (or it cannot be read)."""
     try:
@@ -37,7 +43,7 @@ def current(path: Path) -> Optional[bytes]:
 @dataclass
 class Changes:
     """What this command changed in its directory: each file as it was before the command (`before`; None: absent)
-    and as the command (or Hydra for it) wrote it (`ours`); the files it created while it held the directory, whose
+    and as the command (or Hydra for it) wrote it (`ours`), by absolute path; the files it created while it held the directory, whose
     bytes it does not follow (`created`: its log); the lock file it created (`lock`: removed last, while the command
     still holds it, so that another command that takes the directory next finds nothing of this one's); the
     directories it made (`made`)."""
@@ -48,11 +54,16 @@ class Changes:
     made: list[Path] = field(default_factory=list)
     lock: Optional[Path] = None
 
+    def was(self, files: Files) -> None:
+        """`files` as they are before the command writes them."""
+        for path, content in files.items():
+            self.before[absolute(path)] = content
+
     def wrote(self, path: Path, content: Optional[bytes], before: Optional[bytes]) -> None:
         """The command wrote `content` to `path` (None: removed it), which held `before` when the command first
         changed it."""
-        self.before.setdefault(path, before)
-        self.ours[path] = content
+        self.before.setdefault(absolute(path), before)
+        self.ours[absolute(path)] = content
 
     def found(self, files: Files) -> None:
         """Hydra wrote `files` for this command (their bytes now), over what `before` holds of them."""
@@ -61,8 +72,8 @@ class Changes:
 
     def forget(self, path: Path) -> None:
         """`path` stays as it is now (the command's write of it is its outcome)."""
-        self.before.pop(path, None)
-        self.ours.pop(path, None)
+        self.before.pop(absolute(path), None)
+        self.ours.pop(absolute(path), None)
         self.created.discard(path)
 
     def put_back(self) -> list[Path]:
