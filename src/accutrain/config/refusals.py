@@ -5,8 +5,9 @@ so a refused combination is one line in about two seconds, before the run direct
 A new loss family that refuses something adds its entry here — one entry, its rows — and nothing elsewhere."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from accutrain.config.train import TrainConfig
 from accutrain.core.options import RouterAux
@@ -43,6 +44,12 @@ def effective_batch(c: TrainConfig) -> int | None:
     if isinstance(c.micro_batch, int) and isinstance(c.devices, int) and c.batch_schedule is None:
         return c.micro_batch * (c.accum or 1) * c.devices
     return None
+
+
+def lora(c: TrainConfig, key: str) -> Any:
+    """model.lora.<key> (None where the model has no such node, or leaves it to PEFT)."""
+    node = c.model.get("lora")
+    return node.get(key) if isinstance(node, Mapping) else None
 
 
 def random_views(c: TrainConfig) -> bool:
@@ -98,6 +105,19 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.trainer.export is not None, lambda c: f"trainer.export={c.trainer.export}", "exporting "
             "needs the whole model in one process; load the run's full checkpoint (strategy.checkpoint=full) into "
             "the model and export that"),
+    )),
+    Entry("model.adapter=lora", lambda c: c.model.get("adapter") == "lora", (
+        Row(lambda c: lora(c, "alpha") == 0, "model.lora.alpha=0", "LoRA's update is scaled by alpha / r, so it is "
+            "zero whatever the adapter learns and the run would end with the model it started from: give "
+            "model.lora.alpha > 0 (null: PEFT's 8)"),
+        Row(lambda c: lora(c, "r") is not None and lora(c, "r") < 1, lambda c: f"model.lora.r={lora(c, 'r')}",
+            "the adapter's matrices have rank r: give model.lora.r ≥ 1 (null: PEFT's 8)"),
+        Row(lambda c: lora(c, "dropout") is not None and not 0 <= lora(c, "dropout") < 1,
+            lambda c: f"model.lora.dropout={lora(c, 'dropout'):g}", "a dropout of 1 (or more) drops every input of "
+            "the adapter, so its update is zero: give a probability in [0, 1)"),
+        Row(lambda c: lora(c, "target_modules") is not None and not lora(c, "target_modules"),
+            "model.lora.target_modules=[]", "no layer would carry an adapter, so nothing would train: name the layers "
+            "(null: PEFT's defaults for the architecture)"),
     )),
     Entry("data.streaming=true", lambda c: bool(c.data.get("streaming")), (
         Row(lambda c: c.trainer.max_steps is None, "trainer.max_steps=null", "a stream's length is known only at its "

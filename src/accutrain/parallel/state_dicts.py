@@ -11,16 +11,17 @@ into a temporary directory and renamed into place once whole, so a killed run ne
 """
 from __future__ import annotations
 
+import errno
 import pickle
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from accutrain.dist import World
+from accutrain.dist import World, broadcast_from_main
 from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.store.checkpoint import STATE_FILE, save_atomic
 from accutrain.store.files import fsync_dir
@@ -68,28 +69,55 @@ def unreadable(error: BaseException) -> bool:
 
 def write_sharded(directory: Path, shards: dict[str, Any], state: dict[str, Any], world: World) -> Path:
     """Every rank writes its `shards` (DCP) and rank 0 `state` into checkpoints/<name>/, made as .<name>.tmp/ and
-    renamed into place once whole (an older one of the same name is replaced). Collective: every rank calls it."""
-    import torch.distributed as dist
+    renamed into place once whole (an older one of the same name is replaced). Collective: every rank calls it. A
+    write that fails on any rank (a full disk, an I/O error) raises the same OSError on every rank, the temporary
+    directory removed: the previous checkpoint stays whole."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tmp = directory.with_name(f".{directory.name}.tmp")
+    error: Optional[OSError] = None
     if world.main:
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed run left
-        tmp.mkdir(parents=True)
-    if world.size > 1:
-        dist.barrier()
-    dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; rank 0 the metadata once all are written
-    if world.main:
-        save_atomic(state, tmp / STATE_FILE)
-        fsync_dir(tmp)
-        old = directory.with_name(f".{directory.name}.old")
-        if directory.exists():
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    error = broadcast_from_main(error, world)
+    if error is None:
+        try:
+            dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; rank 0 the metadata once all are written
+        except CheckpointException as e:  # DCP gathers every rank's failure: raised the same on every rank
+            error = write_failure(e)
+    if error is None and world.main:
+        try:
+            save_atomic(state, tmp / STATE_FILE)
+            fsync_dir(tmp)
+            old = directory.with_name(f".{directory.name}.old")
+            if directory.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                directory.rename(old)
+            tmp.rename(directory)
+            fsync_dir(directory.parent)
             shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-        tmp.rename(directory)
-        fsync_dir(directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            error = e
+    error = broadcast_from_main(error, world)  # rank 0's outcome, the same on every rank
+    if error is not None:
+        if world.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error
     return directory
+
+
+def write_failure(error: BaseException) -> OSError:
+    """The OSError behind a failed DCP write (any rank's), or one of EIO naming what failed."""
+    causes = [failure[0] for failure in error.failures.values()] if hasattr(error, "failures") else [error]
+    found = next((c for c in causes if isinstance(c, OSError)), None)
+    if found is not None:
+        return OSError(found.errno, found.strerror or str(found))
+    first = (str(causes[0] if causes else error).strip().splitlines() or [type(error).__name__])[0]
+    return OSError(errno.EIO, f"the sharded checkpoint could not be written: {first[:160]}")
 
 
 def read_sharded(directory: Path, templates: dict[str, Any]) -> dict[str, Any]:
