@@ -9,8 +9,9 @@ import logging
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 log = logging.getLogger("accutrain")
 
@@ -56,6 +57,19 @@ class StopRequest:
     def __exit__(self, *exc: Any) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+@contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """A Ctrl-C during the block is a KeyboardInterrupt at its end."""
+    pressed = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def die_with_parent() -> None:

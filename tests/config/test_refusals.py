@@ -42,6 +42,10 @@ ROWS = {
     ("strategy=fsdp", "trainer.noise_scale=true"): [*FSDP, "trainer.noise_scale=true", "accum=2"],
     ("strategy=fsdp", "model.adapter=lora"): [*LM, "strategy=fsdp", "model.adapter=lora"],
     ("strategy=fsdp", "trainer.export=weights"): [*FSDP, "trainer.export=weights"],
+    ("model.adapter=lora", "model.lora.alpha=0"): [*LM, "model.adapter=lora", "model.lora.alpha=0"],
+    ("model.adapter=lora", "model.lora.r=0"): [*LM, "model.adapter=lora", "model.lora.r=0"],
+    ("model.adapter=lora", "model.lora.dropout=1"): [*LM, "model.adapter=lora", "model.lora.dropout=1"],
+    ("model.adapter=lora", "model.lora.target_modules=[]"): [*LM, "model.adapter=lora", "model.lora.target_modules=[]"],
     ("data.streaming=true", "trainer.max_steps=null"): [*STREAM, "trainer.max_steps=null"],
     ("data.streaming=true", "data.val=null"): [*STREAM, "data.val=null"],
     ("data.streaming=true", "data.packing=True"): [*STREAM, "data.packing=true"],
@@ -53,12 +57,18 @@ ROWS = {
     ("data.padding=free", "loss=contrastive"): [*FREE, "loss=contrastive"],
     ("data.padding=free", "model.neftune_alpha=5.0"): [*FREE, "model.neftune_alpha=5"],
     ("model.kernels=liger", "trainer.device=cpu"): [*LM, "model.kernels=liger", "trainer.device=cpu"],
+    ("loss=moe", "model._target_=accutrain.models.mlp"): ["debug=fast", "loss=moe"],
+    ("loss=moe", "strategy=fsdp"): [*LM, "loss=moe", "strategy=fsdp"],
+    ("loss.router_aux=model", "data.packing=true"): ["model=hf_causal_lm", "+model.config.model_type=mixtral",
+                                                     "loss=moe", "loss.router_aux=model", "data=text",
+                                                     "data.train=corpus.txt", "data.packing=true"],
     ("model.quantize=4bit", "trainer.device=cpu"):
         [*LM, "model.adapter=lora", "model.quantize=4bit", "trainer.device=cpu"],
 }
 
 BAD_MODULE = "def make(:\n    pass\n"
 RAISING = "raise RuntimeError('no GPU driver found')\n"
+DATA_RAISING = "def make(**arguments):\n    raise ValueError(\"the csv has no column 'label'\")\n"
 LOSSES = """
 import sys
 import torch.nn.functional as F
@@ -80,6 +90,13 @@ OTHERS = {
         "model._target_=badmodel.Net"], ["model._target_=badmodel.Net", "SyntaxError", "badmodel.py:1"]),
     "a _target_ module raising at import": ({"raising.py": RAISING}, [*TINY, "data=custom",
         "data._target_=raising.make"], ["data._target_=raising.make", "RuntimeError: no GPU driver found"]),
+    "a data factory raising as it makes the data": ({"baddata.py": DATA_RAISING}, [*TINY, "data=custom",
+        "data._target_=baddata.make"], ["the data baddata.make raised ValueError: the csv has no column 'label'"]),
+    "a malformed .csv file": ({"bad.csv": 'text,label\n"unterminated,1\n'}, ["model=hf_causal_lm",
+        "+model.config.model_type=gpt2", "data=hf", "data.train=bad.csv", "data.cache_dir=hf-cache"],
+        ["data.train=bad.csv could not be loaded (Error tokenizing data"]),
+    "trainer.export=hf with a model that is not Hugging Face's": ({}, [*TINY, "trainer.export=hf"],
+        ["trainer.export=hf needs a Hugging Face model"]),
     "a custom loss missing a required argument": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
         "loss._target_=mylosses.focal"], ["loss._target_=mylosses.focal", "+loss.gamma"]),
     "a custom loss without gradient": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",

@@ -1,6 +1,7 @@
 """Cross-entropy without the full logits (model.logits=chunked): the loss and gradients of every token loss against
 F.cross_entropy in float64, the logits never held whole (a micro-batch's peak memory does not grow with the
-vocabulary × tokens), and whole runs ending with the weights of the full logits, accumulated and on 2 ranks."""
+vocabulary × tokens), and whole runs ending with the weights of the full logits, accumulated, on 2 ranks and
+sharded by FSDP."""
 import weakref
 
 import pytest
@@ -116,8 +117,12 @@ def test_chunked_runs_end_with_the_weights_of_the_full_logits_accumulated_and_on
     pytest.importorskip("transformers")
     full, _ = train_here(tmp_path, "full", *lm(tmp_path, "micro_batch=16", "model.logits=full", *loss))
     runs = [train_here(tmp_path, "acc", *lm(tmp_path, "micro_batch=4", "accum=4", *loss))[0]]
-    if not loss:  # 2 gloo ranks, each accumulating
+    # 2 gloo ranks, each accumulating; and sharded by FSDP: the head gathered from the forward to the loss, and the
+    # last window's 4 samples leave a rank a micro-batch of zero rows, which every rank must still forward
+    if not loss:
         runs.append(train_here(tmp_path, "two", *lm(tmp_path, "devices=2", "micro_batch=4", "accum=2"))[0])
+        runs.append(train_here(tmp_path, "fsdp", *lm(tmp_path, "devices=2", "micro_batch=4", "accum=2",
+                                                     "strategy=fsdp"))[0])
     reference = final_weights(full)
     for run in runs:
         for key, value in final_weights(run).items():

@@ -203,3 +203,55 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, imported):
     assert proc.returncode == 128 + signal.SIGINT, output
     said = [line for line in output.splitlines() if not line.startswith("import time:")]
     assert said == ["accutrain: interrupted while starting: nothing was trained"], output
+
+
+SLOW_DATA = """
+import pathlib, time
+
+def make(**arguments):
+    pathlib.Path("building").touch()
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["launching 2 worker processes", "building"])
+def test_ctrl_c_while_the_workers_start_is_one_line_and_leaves_nothing(tmp_path, when):
+    """Issue 44: Ctrl-C (to the whole process group, as a terminal sends it) while devices=2's workers start — the
+    fork server forking them, a rank making its data — printed a worker's traceback (one forked for a command that
+    was gone), was lost (the ranks ignored it until they trained) or hung (a rank's KeyboardInterrupt ended it with
+    exit code 0, its peer waiting for it). Now one line, exit 130, nothing of the run left (it had not taken its
+    directory over) and no process of the command's."""
+    import os
+    import signal
+    import time
+
+    from conftest import ONE_THREAD, WAIT_S, cli_command
+
+    (tmp_path / "slowdata.py").write_text(SLOW_DATA)
+    data = ["data=custom", "data._target_=slowdata.make"] if when == "building" else []
+    proc = subprocess.Popen([*cli_command(), *TINY, "devices=2", *data, f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, **ONE_THREAD}, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if ("run directory" if when == "building" else when) in line:
+            break
+    deadline = time.monotonic() + WAIT_S
+    while when == "building" and not (tmp_path / "building").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = "".join(lines) + proc.communicate(timeout=WAIT_S)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and output.strip().endswith(
+        "error: interrupted: stopped at once, without a checkpoint"), output
+    assert not (tmp_path / "run").exists()
+    while time.monotonic() < deadline:  # the workers and the fork server die with the command
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a process of the command outlived it")

@@ -340,7 +340,7 @@ def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch):
 
 def test_dropout_zero_reaches_what_no_dropout_layer_holds():
     """Llama keeps its attention dropout as a float handed to SDPA: found by the warning, zeroed by model.dropout=0."""
-    from accutrain.models import hf
+    from accutrain.models import hf_dropout
     from accutrain.models.pitfalls import dropout_layers
 
     config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -356,8 +356,8 @@ def test_dropout_zero_reaches_what_no_dropout_layer_holds():
         return torch.equal(first, model(input_ids=ids).logits)
 
     assert dropout_layers(model) == ["model.layers.0.self_attn"] and not twice()
-    assert hf.set_dropout_config(config, 0.0) == ["attention_dropout"]
-    assert hf.set_dropout_modules(model, 0.0) >= 1
+    assert hf_dropout.set_dropout_config(config, 0.0) == ["attention_dropout"]
+    assert hf_dropout.set_dropout_modules(model, 0.0) >= 1
     assert dropout_layers(model) == [] and twice()
 
 

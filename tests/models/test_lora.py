@@ -128,6 +128,27 @@ def test_sigkill_with_adapters_resumes_bit_identically(files, tmp_path, monkeypa
     assert all(".lora_" in k for k in final_weights(resumed))
 
 
+def test_a_resume_onto_another_frozen_base_is_refused_in_one_line(files, tmp_path):
+    """Issue 44: the checkpoint holds the adapter only, and a resume rebuilt the base from whatever the config now
+    said — another initialisation (or another pretrained model) trained on without a word. The checkpoint records
+    the base (factory, arguments, name and revision, a fingerprint of its weights); another one is refused."""
+    args = lora(files, "micro_batch=16", "trainer.checkpoint_every=1")
+    run_dir, _ = train_here(tmp_path, "run", *args, "trainer.max_steps=1")
+    base = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["base"]
+    assert base["factory"] == "accutrain.models.hf.causal_lm" and len(base["fingerprint"]) == 16
+    assert "adapter" not in base["arguments"] and base["arguments"]["config"]["n_layer"] == 2
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    with pytest.raises(UserError) as info:  # the same architecture, other random weights: the adapter would load
+        train_here(tmp_path, "run", *args, "trainer.max_steps=2", "resume=auto", "+model.config.initializer_range=0.5")
+    assert_one_line_user_error(info.value, "step-00000001.pt holds an adapter trained on the frozen base causal_lm "
+                               f"initialised at random (weights {base['fingerprint']}); this run's base is causal_lm "
+                               "initialised at random (weights ", "model.config.initializer_range: None → 0.5",
+                               "an adapter continues only on the base it was trained on")
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
+    _, log = train_here(tmp_path, "run", *args, "trainer.max_steps=2", "resume=auto")  # the same base goes on
+    assert "resumed from" in log and len(read_metrics(run_dir)[0]) == 2
+
+
 # --- bad values ------------------------------------------------------------------------------------------------
 def test_unknown_target_modules_are_one_line(files, tmp_path):
     with pytest.raises(UserError) as info:

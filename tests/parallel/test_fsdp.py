@@ -268,3 +268,45 @@ def test_a_sharded_checkpoint_missing_or_cut_shard_falls_back_in_one_line(net):
     assert_identical(saved(resumed)["model"], reference["model"])
     aside = next(ckpts.glob("abandoned-*"))  # the broken ones, kept: the live branch went on from step 3
     assert {"step-00000004", "step-00000005", "step-00000006"} <= {p.name for p in aside.iterdir()}
+
+
+def full_disk_at(monkeypatch, steps: set[int]) -> None:
+    """DCP's writes of the sharded checkpoints of `steps` fail as on a full disk (inside DCP, which gathers every
+    rank's failure)."""
+    import errno
+    import os
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if any(f"step-{step:08d}" in str(self.path) for step in steps):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+
+
+def test_a_sharded_checkpoint_failing_on_a_full_disk_keeps_the_previous_one_and_training_goes_on(tmp_path,
+                                                                                                  monkeypatch):
+    """Issue 44 (left from part 3): a sharded checkpoint whose write failed raised out of the run. Now it is what a
+    checkpoint file's failure is: one error line, the previous checkpoint whole, no temporary directory, training
+    goes on; the run's last one failing ends it in one line."""
+    args = [*TINY, "data.size=48", "micro_batch=8", "trainer.max_steps=3", "trainer.checkpoint_every=1",
+            "optim=adamw", "strategy=fsdp", "strategy.checkpoint=sharded", "trainer.keep_checkpoints=5"]
+    full_disk_at(monkeypatch, {2})
+    run_dir, log = train_here(tmp_path, "run", *args)
+    checkpoints = run_dir / "checkpoints"
+    assert [line for line in log.splitlines() if "could not write" in line] == [
+        f"could not write the checkpoint of optimizer step 2 into {checkpoints} (No space left on device); the "
+        "newest on disk is step-00000001: training goes on, the next checkpoint tries again"]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step-", "."))) == [
+        "step-00000001", "step-00000003"]  # no temporary directory left
+    assert (checkpoints / "last").resolve().name == "step-00000003"
+    monkeypatch.undo()
+    full_disk_at(monkeypatch, {3})
+    with pytest.raises(UserError) as info:
+        train_here(tmp_path, "again", *args)
+    assert_one_line_user_error(info.value, "could not write the checkpoint of optimizer step 3", "the newest on "
+                               "disk is step-00000002: the run's last steps are not saved")

@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
 from accutrain.errors import UserError
+from accutrain.store import mark
 from accutrain.trackers import Trackers
 from conftest import (read_metrics, run_cli, run_of, SLOW_MODEL, start, TINY, TINY_DATA, train_here, train_run,
                       wait_for_steps, WAIT_S)
@@ -199,6 +200,7 @@ def test_a_killed_run_resumes_its_tensorboard_run_without_duplicate_steps(tmp_pa
 def test_a_sweep_is_one_tracker_run_per_job_grouped_by_the_sweep(tmp_path, mlflow_template):
     sweep = tmp_path / "sweep"
     sweep.mkdir()
+    mark.write_new(sweep, "sweep")  # a sweep directory accutrain made: the store may be put there first
     shutil.copy(mlflow_template, sweep / "mlflow.db")  # where the jobs' store goes: their directories' parent
     run_cli("-m", *RUN, "trainer.max_steps=3", "seed=0,1", "logger=[tensorboard,mlflow,wandb]",
             f"hydra.sweep.dir={sweep}", cwd=tmp_path)

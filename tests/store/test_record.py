@@ -79,9 +79,11 @@ def test_recorded_puts_the_earlier_record_back_unless_the_run_took_over(tmp_path
     write_status(tmp_path, "completed")
     add_to_status(tmp_path, plan={"effective": 8}, best={"value": 0.5})
     status = (tmp_path / "status.json").read_bytes()
-    kept = record.hydra_record(tmp_path, ".hydra")
+    kept = record.Changes()
+    kept.was(record.hydra_record(tmp_path, ".hydra"))
     (hydra / "overrides.yaml").write_text("- seed=1\n- resume=auto\n")  # what Hydra writes before the job runs
     (hydra / "hydra.yaml").write_text("new\n")
+    kept.found(record.hydra_record(tmp_path, ".hydra"))
     with pytest.raises(UserError):
         with recorded(tmp_path, kept) as outcome:
             raise UserError("refused")

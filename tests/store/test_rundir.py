@@ -12,7 +12,7 @@ import torch
 
 from accutrain.cli.command import check
 from accutrain.errors import UserError
-from accutrain.store import checkpoint, rundir
+from accutrain.store import checkpoint, mark, rundir
 from conftest import (COMMAND_S, ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics,
                       run_cli, train_here, train_run)
 
@@ -39,9 +39,11 @@ def test_a_used_run_directory_is_refused_and_left_untouched(tmp_path):
 
 
 def used_run(tmp_path: Path, name: str = "used") -> Path:
-    """A run directory as a killed run leaves it: a step in metrics.jsonl, a checkpoint, status.json."""
+    """A run directory as a killed run leaves it: accutrain's mark, a step in metrics.jsonl, a checkpoint,
+    status.json."""
     run_dir = tmp_path / name
     (run_dir / "checkpoints").mkdir(parents=True)
+    mark.write_new(run_dir, "run")
     (run_dir / "checkpoints" / "step-00000007.pt").write_bytes(b"PK\x03\x04")
     (run_dir / "metrics.jsonl").write_text('{"plan": {}}\n{"step": 7, "loss": 0.5}\n')
     (run_dir / "status.json").write_text(json.dumps({"state": "interrupted", "pid": -1}))
@@ -58,13 +60,15 @@ def test_resume_auto_continues_a_used_directory_and_overwrite_replaces_it(tmp_pa
         check(argv)
     check([*argv, "resume=auto"])
     check([*argv, "trainer.overwrite=true"])
-    assert snapshot(run_dir) == snapshot(used_run(tmp_path, "same"))  # checking touched nothing
+    same = {**snapshot(used_run(tmp_path, "same")), ".accutrain": (run_dir / ".accutrain").read_bytes()}
+    assert snapshot(run_dir) == same  # checking touched nothing
 
     with captured_log() as log:
         rundir.prepare(run_dir, None, True)  # trainer.overwrite=true
     assert "trainer.overwrite=true: deleted the earlier run's checkpoints/step-00000007.pt, metrics.jsonl, " \
            "status.json" in log.getvalue()
-    assert sorted(snapshot(run_dir)) == ["notes.txt", "train.log"] and not (run_dir / "train.log").read_text()
+    assert sorted(snapshot(run_dir)) == [".accutrain", "notes.txt", "train.log"]
+    assert not (run_dir / "train.log").read_text()
     assert rundir.earlier_run(run_dir) is None
 
 
@@ -81,6 +85,7 @@ def test_a_sweep_into_a_used_sweep_directory_is_refused_unless_resumed(tmp_path)
     sweep = tmp_path / "sweep"
     for job in ("0", "1"):
         used_run(sweep, job)
+    mark.write_new(sweep, "sweep")
     argv = ["-m", *QUICK, "micro_batch=4,8,16", f"hydra.sweep.dir={sweep}"]
     with pytest.raises(UserError, match=r"holds the runs of an earlier sweep \(jobs 0, 1\): add resume=auto"):
         check(argv)
@@ -93,6 +98,7 @@ def test_an_unwritable_checkpoints_folder_or_log_is_found_before_training(tmp_pa
     code 2 are proven by test_a_read_only_run_directory_is_one_line)."""
     for name in ("ckpt", "log"):  # earlier accutrain runs' directories, failed at start
         (tmp_path / name).mkdir()
+        mark.write_new(tmp_path / name, "run")
         (tmp_path / name / "status.json").write_text(json.dumps({"state": "failed", "error": "no data"}))
     (tmp_path / "ckpt" / "checkpoints").write_text("a file in the way")
     with pytest.raises(UserError, match=f"cannot write checkpoints into {tmp_path / 'ckpt' / 'checkpoints'}: it is "
@@ -225,7 +231,7 @@ def test_a_folder_that_is_not_a_run_is_refused_and_left_byte_identical(tmp_path)
     proc = run_cli(*QUICK, "hydra.run.dir=.", cwd=project, check=False)
     assert proc.returncode == 2
     assert_one_line_error(proc, ". (hydra.run.dir) is not an accutrain run directory: it holds files of its own "
-                                "(config.yaml, train.log) and no status.json")
+                                "(config.yaml, train.log) and no .accutrain mark")
     assert snapshot(project) == before and sorted(p.name for p in project.iterdir()) == ["config.yaml", "train.log"]
 
 
@@ -245,8 +251,8 @@ def test_an_empty_folder_or_an_earlier_run_is_a_run_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     owned.refuse_foreign(tmp_path / "empty", "hydra.run.dir")
     owned.refuse_foreign(tmp_path / "new", "hydra.run.dir")
-    owned.refuse_foreign(used_run(tmp_path), "hydra.run.dir")  # status.json (and a note of the user's beside it)
-    hydra_only = tmp_path / "hydra_only"  # a run stopped before its status.json: Hydra's record of accutrain's config
+    owned.refuse_foreign(used_run(tmp_path), "hydra.run.dir")  # marked (and a note of the user's beside it)
+    hydra_only = tmp_path / "hydra_only"  # a run made before the mark, stopped before its status.json
     (hydra_only / ".hydra").mkdir(parents=True)
     (hydra_only / ".hydra" / "config.yaml").write_text("micro_batch: 8\ntrainer:\n  epochs: 2\n")
     (hydra_only / "train.log").write_text("")

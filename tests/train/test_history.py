@@ -174,8 +174,9 @@ def test_a_resume_with_another_learning_rate_follows_it_from_its_place_in_the_sc
 
 def test_overwrite_deletes_the_abandoned_branches_too(tmp_path):
     """trainer.overwrite=true deletes what the earlier run wrote: the branches a resume moved aside are its too."""
-    from accutrain.store import rundir
+    from accutrain.store import mark, rundir
 
+    mark.write_new(tmp_path, "run")  # an earlier accutrain run's directory
     aside = tmp_path / "checkpoints" / "abandoned-20261125-101500"
     aside.mkdir(parents=True)
     (aside / "step-00000020.pt").write_bytes(b"old")

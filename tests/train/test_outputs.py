@@ -14,6 +14,7 @@ from accutrain.config.train import compose
 from accutrain.data.datasets import digits, sequences, synthetic
 from accutrain.dist import World
 from accutrain.errors import UserError
+from accutrain.store import mark
 from accutrain.store.status import read_status, write_status
 from accutrain.train.build import build
 from conftest import run_of, TINY, train_here
@@ -25,9 +26,11 @@ TESTED = [*TINY, "data.test=40", "trainer.epochs=3", "optim.lr=0.5", "trainer.em
 
 @pytest.fixture(scope="module")
 def tested(tmp_path_factory):
-    """(the run directory, its log) of one TESTED run, in this process (status.json begun as the CLI begins it)."""
+    """(the run directory, its log) of one TESTED run, in this process (marked, and status.json begun, as the CLI
+    begins it)."""
     root = tmp_path_factory.mktemp("outputs")
     (root / "run").mkdir()
+    mark.write_new(root / "run", "run")
     write_status(root / "run", "running")
     return train_here(root, "run", *TESTED)
 

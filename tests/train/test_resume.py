@@ -311,13 +311,13 @@ def test_a_kill_while_a_resume_trims_metrics_leaves_the_history_whole(tmp_path, 
 LONG_WINDOW = [*RUN, "data.size=128", "micro_batch=2", "accum=16", "trainer.epochs=2", "trainer.stop_grace_s=0"]
 
 
-def stop_early_in_a_window(tmp_path: Path, name: str, *args: str) -> tuple[str, int]:
+def stop_early_in_a_window(tmp_path: Path, name: str, *args: str, delay: float = 0.1) -> tuple[str, int]:
     """Start the run, send SIGTERM a few micro-batches into the window after optimizer step 2; (its log, exit code)."""
     # 0.1 s a micro-batch: the window of step 3 takes 1.6 s on one rank and 0.8 s on two, room enough for this
     # process to see step 2 late on a loaded machine and still signal well before the window's end
-    proc = start(tmp_path, name, *args, "+model.delay=0.1")
+    proc = start(tmp_path, name, *args, f"+model.delay={delay}")
     wait_for_steps(tmp_path / name, 2, proc)
-    time.sleep(0.1)  # about one micro-batch into the window of step 3
+    time.sleep(delay)  # about one micro-batch into the window of step 3
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=WAIT_S)
     return (tmp_path / f"{name}.log").read_text(), code
@@ -365,6 +365,56 @@ def test_a_stop_early_in_a_long_window_abandons_it_and_the_resume_is_bit_identic
     resumed, _ = train_run(slow, "stopped", *args, "resume=auto")
     assert_identical(final_weights(resumed), final_weights(reference))
     assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in read_metrics(reference)[0]]
+
+
+# The slow model of RUN, writing each training forward's weights (a sum) to <trace>-<rank>: the forwards of one
+# window all see the weights of the step before it.
+TRACED_MODEL = """
+import os
+import time
+import torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size, delay=0.0, trace=None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 32), nn.ReLU(),
+                                 nn.Dropout(0.3), nn.Linear(32, num_classes))
+        self.delay, self.trace = delay, trace
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.delay)
+            if self.trace:
+                with open(f"{self.trace}-{os.environ.get('RANK', '0')}", "a") as f:
+                    f.write(f"{float(self.net[1].weight.double().sum()):.15e}\\n")
+        return self.net(x)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_mid_window_on_two_ranks_abandons_it_on_both_and_the_resume_is_bit_identical(slow):
+    """Issue 44: with devices=2 and a grace the window cannot end within (16 micro-batches a rank, ≈ 0.1 s each, a
+    grace of 1 s: its rest is more than half of it), a SIGTERM early in the window abandons it on both ranks at the
+    same micro-batch — each rank's forwards with the weights of step 2 stop there — and the resume is
+    bit-identical."""
+    (slow / "traced.py").write_text(TRACED_MODEL)
+    args = [*RUN, "model._target_=traced.Net", "data.size=128", "micro_batch=2", "accum=16", "devices=2",
+            "trainer.epochs=2", "trainer.stop_grace_s=1"]
+    reference, _ = train_here(slow, "reference", *args)
+    log, code = stop_early_in_a_window(slow, "stopped", *args, "+model.trace=forwards")
+    assert code == 128 + signal.SIGTERM, log
+    abandoned = [line for line in log.splitlines() if "SIGTERM: abandoned the window of optimizer step 3 after" in line]
+    assert len(abandoned) == 1, log
+    done = int(abandoned[0].split(" after ")[1].split(" of ")[0])
+    assert done <= 16 - 4 and "of 16 micro-batches" in abandoned[0], abandoned  # far from its end
+    for rank in (0, 1):  # the last run of equal weights: the window of step 3, as far as this rank went
+        weights = (slow / f"forwards-{rank}").read_text().split()
+        last = weights[::-1]
+        assert next(i for i, w in enumerate(last) if w != last[0]) == done, (rank, done)
+    run_dir = slow / "stopped"
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+    resumed, _ = train_run(slow, "stopped", *args, "resume=auto")
+    assert_identical(final_weights(resumed), final_weights(reference))
 
 
 @pytest.mark.slow

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,7 +21,19 @@ from accutrain.config.targets import check_plugins
 from accutrain.config.train import TrainConfig
 from accutrain.config.validate import typed_run
 from accutrain.errors import UserError
-from accutrain.store import owned, record, rundir
+from accutrain.store import claim, owned, record, rundir
+
+
+@dataclass
+class Place:
+    """A directory the command writes into: its run's, its sweep's, or one job's of its sweep, as checked."""
+
+    path: Path
+    subdir: Optional[str] = None  # hydra.output_subdir (null: Hydra keeps no record there)
+    resume: Optional[str] = None  # the run's resume= (a job's, or the single run's)
+    overwrite: bool = False  # its trainer.overwrite
+    log: Optional[Path] = None  # the log file the checks created there (they were the first to write it)
+    made: list[Path] = field(default_factory=list)  # the directories the checks made (it, checkpoints/, .hydra/)
 
 
 @dataclass
@@ -32,15 +45,21 @@ class Decided:
     # compose again to read it; None where the checks composed nothing
     run: Optional[TrainConfig] = None  # a single run: checked and typed (None for a sweep: each job is checked)
     ranks: Any = None  # … its device and ranks (accutrain.run.launch.Ranks)
-    earlier: dict[str, record.Files] = field(default_factory=dict)  # Hydra's record of an earlier run, by run dir
-    new: set[str] = field(default_factory=set)  # run directories that did not exist before this command
+    changes: dict[str, record.Changes] = field(default_factory=dict)  # by run dir: what the command wrote there
+    # before its job (the claim's), and Hydra's record of an earlier run as it was before Hydra writes over it
+    held: set[str] = field(default_factory=set)  # the run directory the command holds (its claim)
+    claimed: Optional[record.Changes] = None  # what the claim wrote (its mark, its lock), once it holds
     sweep_dir: Optional[Path] = None  # a multirun's directory
+    place: Optional[Place] = None  # the single run's directory, or the sweep's, that the command claims
+    jobs: list[Place] = field(default_factory=list)  # a sweep's jobs
 
 
-def keep_hydra_record(decided: Decided, run_dir: Path, cfg: DictConfig) -> None:
-    """Remember Hydra's record of the earlier run in run_dir before Hydra writes over it."""
-    subdir = cfg.hydra.output_subdir
-    decided.earlier[os.path.abspath(run_dir)] = record.hydra_record(run_dir, None if subdir is None else str(subdir))
+def keep_hydra_record(decided: Decided, place: Place) -> record.Changes:
+    """What the command will change in `place`, starting from Hydra's record there as it is now: what Hydra writes
+    over before the job runs."""
+    changes = decided.changes.setdefault(os.path.abspath(place.path), record.Changes())
+    changes.was(record.hydra_record(place.path, place.subdir))
+    return changes
 
 
 def make_output_dir(path: Path, key: str) -> None:
@@ -71,16 +90,16 @@ def loggers(run: TrainConfig) -> dict[str, Any]:
 
 def check_run(cfg: DictConfig, task: DictConfig, decided: Decided, decide: bool) -> None:
     """A single run: the values and combinations (typed_run), the plug-ins, the device and the ranks
-    (launch.place), and — in the process that decides — its run directory: not an earlier run's (unless continued
-    or replaced), writable, its log file too."""
+    (launch.place), and — in the process that decides — its run directory: accutrain's or new, not an earlier run's
+    (unless continued or replaced), writable, its log file too."""
     run = typed_run(task)  # before PyTorch is imported (seconds): a mistake in a value is answered at once
     if decide:
         run_dir = output_dir(cfg, "run", decided.argv)
-        owned.refuse_foreign(run_dir, "hydra.run.dir")
-        if not run_dir.exists():
-            decided.new.add(os.path.abspath(run_dir))
-        elif run_dir.is_dir() and rundir.check_reuse(run_dir, run.resume, run.trainer.overwrite):
-            keep_hydra_record(decided, run_dir, cfg)
+        subdir = None if cfg.hydra.output_subdir is None else str(cfg.hydra.output_subdir)
+        decided.place = Place(run_dir, subdir, run.resume, run.trainer.overwrite)
+        look_at_run_dir(decided.place)
+        made = [run_dir, run_dir / rundir.CHECKPOINTS, *([run_dir / subdir] if subdir is not None else [])]
+        decided.place.made = [folder for folder in made if not folder.exists()]
         owned.check_tracker_paths(run_dir, loggers(run), run.resume)
     check_plugins(run)
     from accutrain.run.launch import place
@@ -90,38 +109,96 @@ def check_run(cfg: DictConfig, task: DictConfig, decided: Decided, decide: bool)
         return
     make_output_dir(run_dir, "hydra.run.dir")
     has_log = OmegaConf.select(cfg, "hydra.job_logging.handlers.file") is not None
-    rundir.check_writable(run_dir, run_dir / f"{cfg.hydra.job.name}.log" if has_log else None)
+    log = run_dir / f"{cfg.hydra.job.name}.log" if has_log else None
+    decided.place.log = log if log is not None and not log.exists() else None
+    rundir.check_writable(run_dir, log)
     if cfg.hydra.output_subdir is not None:
         rundir.writable(run_dir / str(cfg.hydra.output_subdir), "Hydra's record of the config")
 
 
+def look_at_run_dir(place: Place) -> bool:
+    """The single run's directory: accutrain's, new or empty, and holding no earlier run unless the run continues or
+    replaces it (or one running now). Whether an earlier run is there."""
+    owned.refuse_foreign(place.path, "hydra.run.dir")
+    return place.path.is_dir() and rundir.check_reuse(place.path, place.resume, place.overwrite)
+
+
 def check_sweep(hydra: Any, base: DictConfig, decided: Decided, decide: bool) -> None:
     """A multirun: every job composes with known keys (its values are checked when it runs: a job failing is
-    recorded and the sweep goes on); the sweep directory can be written and holds no earlier sweep's runs unless
-    they are continued (resume=auto) or replaced (trainer.overwrite=true)."""
+    recorded and the sweep goes on); the sweep directory is accutrain's or new, can be written and holds no earlier
+    sweep's runs unless they are continued (resume=auto) or replaced (trainer.overwrite=true)."""
     sweep_dir = output_dir(base, "sweep", decided.argv) if decide else Path(str(base.hydra.sweep.dir)).expanduser()
     decided.sweep_dir = sweep_dir
-    earlier = []
     for _, overrides, cfg in job_configs(hydra, base):
         task = task_config(cfg, overrides)
         job_dir = sweep_dir / str(cfg.hydra.sweep.subdir)
         if decide:
             owned.check_tracker_paths(job_dir, dict(task.get("logger") or {}), task.get("resume"))
-        if not decide or not job_dir.is_dir():
+        subdir = None if cfg.hydra.output_subdir is None else str(cfg.hydra.output_subdir)
+        decided.jobs.append(Place(job_dir, subdir, task.get("resume"), bool(task.trainer.overwrite)))
+    if not decide:
+        return
+    decided.place = Place(sweep_dir)
+    look_at_sweep(decided)
+    if not sweep_dir.exists():
+        decided.place.made.append(sweep_dir)
+    make_output_dir(sweep_dir, "hydra.sweep.dir")
+    rundir.writable(sweep_dir, "the sweep's jobs")
+
+
+def look_at_sweep(decided: Decided, keep: bool = False) -> None:
+    """The sweep's directory and its jobs' that exist: accutrain's, and no earlier sweep's runs unless continued or
+    replaced (or one running now). keep: remember Hydra's record of each earlier run before Hydra writes over it."""
+    assert decided.place is not None
+    owned.refuse_foreign(decided.place.path, "hydra.sweep.dir", "sweep")
+    earlier = []
+    for job in decided.jobs:
+        if not job.path.is_dir():
             continue
-        owned.refuse_foreign(job_dir, "hydra.sweep.dir")
-        if rundir.earlier_run(job_dir) and task.resume is None and not task.trainer.overwrite:
-            earlier.append(job_dir.name)
-        elif rundir.check_reuse(job_dir, task.resume, task.trainer.overwrite, "hydra.sweep.dir"):
-            keep_hydra_record(decided, job_dir, cfg)
+        owned.refuse_foreign(job.path, "hydra.sweep.dir")
+        if rundir.earlier_run(job.path) and job.resume is None and not job.overwrite:
+            earlier.append(job.path.name)
+        elif rundir.check_reuse(job.path, job.resume, job.overwrite, "hydra.sweep.dir") and keep:
+            keep_hydra_record(decided, job)
     if earlier:
         jobs = ", ".join(earlier[:8]) + (", …" if len(earlier) > 8 else "")
-        raise UserError(f"{sweep_dir} (hydra.sweep.dir) holds the runs of an earlier sweep (jobs {jobs}): add "
+        raise UserError(f"{decided.place.path} (hydra.sweep.dir) holds the runs of an earlier sweep (jobs {jobs}): add "
                         "resume=auto to continue them, trainer.overwrite=true to delete them and start afresh, or "
                         "choose a new hydra.sweep.dir")
-    if decide:
-        make_output_dir(sweep_dir, "hydra.sweep.dir")
-        rundir.writable(sweep_dir, "the sweep's jobs")
+
+
+@contextmanager
+def claimed(decided: Decided) -> Iterator[None]:
+    """The command's claim on its run's (or sweep's) directory, from before Hydra writes there to the command's end
+    (store.claim): held, checked again under the hold — another command may have started a run there since the
+    command line was checked — and marked as accutrain's. Nothing to claim where the command decided no directory
+    (accutrain-check, --cfg, torchrun's other ranks). Raises UserError, having put back what it wrote."""
+    place = decided.place
+    if place is None:
+        yield
+        return
+    here = os.path.abspath(place.path)
+    sweep = decided.sweep_dir is not None
+    changes = record.Changes()
+
+    def look() -> None:
+        # What the checks made, if no command has written into it since: this command's own.
+        changes.made += [folder for folder in place.made
+                         if folder.is_dir() and all(owned.empty(p) for p in folder.iterdir())]
+        if place.log is not None and place.log.is_file() and not place.log.stat().st_size:
+            changes.created.add(place.log)
+        if sweep:
+            look_at_sweep(decided, keep=True)
+            return
+        look_at_run_dir(place)
+        decided.changes[here] = changes
+        keep_hydra_record(decided, place)
+
+    with claim.claimed(place.path, "sweep" if sweep else "run", "hydra.sweep.dir" if sweep else "hydra.run.dir",
+                       look, changes):
+        decided.held.add(here)
+        decided.claimed = changes
+        yield
 
 
 def check(argv: list[str], *, decide: bool = True, run: bool = True, prog: str = "accutrain") -> Decided:

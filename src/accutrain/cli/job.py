@@ -22,7 +22,7 @@ from accutrain.config.validate import typed_run
 from accutrain.errors import Preempted, RankDied, UserError, one_line
 from accutrain.report.sweep import stopped
 from accutrain.run.scheduler import adopt_scheduler_world
-from accutrain.store import record, rundir
+from accutrain.store import claim, mark, owned, record, rundir
 from accutrain.store.status import Recorded, read_status, recorded, taken_over, write_status
 
 log = logging.getLogger("accutrain")
@@ -71,12 +71,16 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
     log_config = OmegaConf.to_container(hydra_cfg.job_logging, resolve=True)  # for spawned workers' rank 0
     primary = not torchrun_secondary()  # one process decides about the run directory and records the run
     here = os.path.abspath(run_dir)
-    earlier_files = decided.earlier.pop(here, None) if primary else None
-    new = primary and not multirun and here in decided.new
+    # What this command wrote in run_dir so far (its claim's mark and lock; Hydra's record and log for it), over
+    # what was there before: put back whenever the run ends before it takes the directory over.
+    changes = decided.changes.pop(here, None) or record.Changes()
+    earlier = any(content is not None for content in changes.before.values())  # Hydra's record of an earlier run
     outcome = Recorded()  # kept: the command changed nothing in run_dir (loss.png is not drawn again either)
     run: Optional[TrainConfig] = None
     in_use = False  # another run holds the directory: nothing of its may be written
     try:  # a single run was checked before Hydra ran it (command.check); a sweep's job here
+        if primary:
+            changes.found(record.hydra_record(run_dir, hydra_cfg.output_subdir))  # what Hydra wrote for this job
         if decided.run is not None and not multirun:
             run, ranks = decided.run, decided.ranks
         else:
@@ -86,34 +90,36 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
         if run.resume is None and (read_status(run_dir) or {}).get("state") == "requeued":
             log.info(f"this job was requeued after a preemption: resuming from the newest checkpoint of {run_dir}")
             run = requeued(run)
-        if primary:
+        if primary and here not in decided.held:  # a sweep's job: its own hold, under the sweep's
             in_use = True
-            holds.enter_context(rundir.held(run_dir, "hydra.sweep.dir" if multirun else "hydra.run.dir"))
+            key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+            holds.enter_context(claim.claimed(run_dir, "run", key, lambda: job_dir_ours(run_dir, key), changes))
             in_use = False
+        if primary:
             rundir.prepare(run_dir, run.resume, run.trainer.overwrite)
     except UserError as e:
         log.error(one_line(e))
-        if earlier_files is not None:  # Hydra's record of the earlier run (or of the one running there) as it was
-            record.put_back(earlier_files)
-        if new and not in_use:
-            rundir.remove_new(run_dir, hydra_cfg.output_subdir, log_file(hydra_cfg))
         if multirun:  # recorded in the job's status.json, unless that is an earlier run's
             tally.failed += 1
-            if primary and not in_use and rundir.earlier_run(run_dir) is None:
+            if primary and not earlier and not in_use:
                 write_status(run_dir, "failed", one_line(e))
+            else:  # an earlier run's record, or another command's directory: as it was
+                outcome.kept = True
+                if primary and earlier:
+                    changes.put_back()
             return None
+        if primary:
+            changes.put_back()
         sys.exit(2)
     try:
-        with recorded(run_dir, earlier_files) if primary else nullcontext(outcome) as outcome:  # status.json
+        with recorded(run_dir, changes) if primary else nullcontext(outcome) as outcome:  # status.json
             out = train(run, run_dir, log_config, ranks)
         return out.progress.best if out is not None else None
     except UserError as e:
         log.error(one_line(e))
         if e.__cause__ is not None:
             trace_log.error("the traceback behind that error:", exc_info=e.__cause__)
-        if new and not taken_over(run_dir):  # refused before the run wrote anything of its own: no directory
-            outcome.kept = True
-            rundir.remove_new(run_dir, hydra_cfg.output_subdir, log_file(hydra_cfg))
+        put_back(run_dir, changes, outcome, primary and not multirun)
         if not multirun:
             sys.exit(2)
         tally.failed += 1
@@ -129,6 +135,7 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
         sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         log.error("interrupted: stopped at once, without a checkpoint")
+        put_back(run_dir, changes, outcome, primary and not multirun)
         sys.exit(128 + signal.SIGINT)
     except RankDied as e:
         log.error(str(e))
@@ -146,6 +153,7 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
         if culprit is not None:
             log.error(f"{culprit}; the full traceback is in {run_dir / 'train.log'}")
             trace_log.error("the traceback:", exc_info=e)
+            put_back(run_dir, changes, outcome, primary and not multirun)
         else:
             log.exception("this job failed; the sweep goes on")
         if not multirun:
@@ -155,6 +163,29 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
         if primary and not outcome.kept and run_dir.is_dir():  # (a command that changed nothing leaves the plot too)
             write_loss_plot(run_dir)
     return None
+
+
+def job_dir_ours(run_dir: Path, key: str) -> None:
+    """A sweep's job directory, as its job finds it under its hold: accutrain's (marked, or made before the mark
+    existed), or holding only what Hydra wrote for this job (its record and log, in a sweep directory accutrain
+    marked: the job marks it); anything else is refused."""
+    hydra = HydraConfig.get()
+    sweep_dir = Path(str(hydra.sweep.dir)).resolve() if hydra.mode == RunMode.MULTIRUN else None
+    if mark.owner(run_dir) is None and sweep_dir is not None and run_dir.resolve().is_relative_to(sweep_dir) \
+            and mark.owner(sweep_dir) == "sweep":
+        names = {p.name for p in run_dir.iterdir()} - {rundir.LOCK_FILE}
+        if names <= {str(hydra.output_subdir), log_file(hydra)}:
+            return
+    owned.refuse_foreign(run_dir, key)
+
+
+def put_back(run_dir: Path, changes: record.Changes, outcome: Recorded, single: bool) -> None:
+    """A single run that ended before it took its directory over (refused in the build, interrupted while its ranks
+    started, a plug-in's mistake) changes nothing: what the command wrote there is put back (a directory it made is
+    removed again), only where it still holds what the command wrote."""
+    if single and not outcome.kept and not taken_over(run_dir):
+        outcome.kept = True
+        changes.put_back()
 
 
 def requeued(run: TrainConfig) -> TrainConfig:

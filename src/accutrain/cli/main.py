@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import ExitStack, contextmanager
 from types import FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 class Startup:
@@ -17,6 +18,7 @@ class Startup:
 
     def __init__(self, prog: str) -> None:
         self.prog, self.in_job, self.before = prog, False, None
+        self.changes: Any = None  # what the command wrote before its job (store.record.Changes): put back on Ctrl-C
 
     def __enter__(self) -> Startup:
         self.before = signal.signal(signal.SIGINT, self.interrupted)
@@ -31,6 +33,8 @@ class Startup:
     def interrupted(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.in_job:
             raise KeyboardInterrupt
+        if self.changes is not None:
+            self.changes.put_back()
         sys.stderr.write(f"{self.prog}: interrupted while starting: nothing was trained\n")
         sys.stderr.flush()
         os._exit(128 + signal.SIGINT)
@@ -73,6 +77,25 @@ def before_hydra(prog: str, argv: list[str], **checks: bool) -> Any:
         sys.stderr.write(f"{rank}{prog}: error: {one_line(e)}\n")  # one write: ranks' lines never interleave
         sys.stderr.flush()
         sys.exit(2)
+
+
+@contextmanager
+def claim_or_exit(decided: Any, startup: Startup) -> Iterator[None]:
+    """The command's claim on its directory (accutrain.cli.command.claimed) for the block: refused, one line and
+    exit code 2; Ctrl-C before the job starts puts back what the claim wrote."""
+    from accutrain.cli.command import claimed
+    from accutrain.errors import UserError, one_line
+
+    hold = ExitStack()
+    try:
+        hold.enter_context(claimed(decided))
+    except UserError as e:
+        sys.stderr.write(f"accutrain: error: {one_line(e)}\n")
+        sys.stderr.flush()
+        sys.exit(2)
+    with hold:
+        startup.changes = decided.claimed
+        yield
 
 
 def take_show_sample(argv: list[str]) -> Optional[int]:
@@ -132,8 +155,9 @@ def main() -> None:
         decided = before_hydra("accutrain", argv, decide=not torchrun_secondary())  # every rank composes; 0 decides
         register_schemas()
         tally = Tally()
-        hydra_internals.run(decided.argv, train_job(decided, tally, startup.job_started), str(config_dir()), "train",
-                            decided.mode)
+        with claim_or_exit(decided, startup):
+            hydra_internals.run(decided.argv, train_job(decided, tally, startup.job_started), str(config_dir()),
+                                "train", decided.mode)
     if decided.sweep_dir is not None:  # a multirun: its jobs' records, and those that failed here before they had one
         failed, jobs = failed_jobs(decided.sweep_dir)
         failed = max(failed, tally.failed)

@@ -15,6 +15,7 @@ import yaml
 
 from accutrain.config.messages import override_key
 from accutrain.errors import UserError
+from accutrain.store import mark
 from accutrain.store.status import read_status
 
 # Never carried over: what this command decides (resume, the run directory, Hydra's own settings), and
@@ -122,8 +123,8 @@ def carry(args: Namespace, prog: Optional[str]) -> list[str]:
         return []
     subdir = next((o.split("=", 1)[1] for o in reversed(given) if o.startswith("hydra.output_subdir=")), ".hydra")
     record = Recorded(Path(run_dir).expanduser(), subdir)
-    if not record.found:
-        return []
+    if not record.found or mark.owner(Path(run_dir).expanduser()) != "run":  # (a folder that is not an accutrain
+        return []  # run's carries nothing: the checks refuse it)
     own = [o for o in given if not override_key(o).startswith("hydra") and override_key(o) not in NOT_CARRIED]
     refuse_what_the_checkpoints_cannot_take(Path(run_dir), record, own)
     keys = {override_key(o) for o in given}

@@ -8,7 +8,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from accutrain.core.options import Normalize
+from accutrain.core.options import Normalize, RouterAux
 
 
 # --- loss/ --------------------------------------------------------------------------------------------
@@ -51,3 +51,15 @@ class ContrastiveLossConfig:  # loss=contrastive
 class BCELoss(ElementLoss):
     _target_: str = "accutrain.core.losses.bce"
     pos_weight: Optional[float] = None  # weight of the positive labels' terms (BCEWithLogitsLoss's pos_weight)
+
+
+@dataclass
+class MoELossConfig:  # loss=moe
+    _target_: str = "accutrain.core.moe.moe"
+    router_aux: RouterAux = RouterAux.window  # window: the router's balancing loss over the whole window (exact) |
+    # micro_batch: over each micro-batch alone | model: the model's own, per micro-batch | off
+    router_aux_coef: Optional[float] = None  # its weight; null: the model's own (router_aux_loss_coef)
+    router_z_coef: float = 0.0  # the router z-loss's weight (per token; 0: off)
+    ignore_index: int = -100  # target tokens equal to this (padding) count neither in the loss nor in the mean
+    shift_labels: Optional[bool] = None  # targets = labels shifted left (labels = input_ids); null: the model's
+    label_smoothing: float = 0.0  # ε of the cross-entropy

@@ -5,13 +5,16 @@ so a refused combination is one line in about two seconds, before the run direct
 A new loss family that refuses something adds its entry here — one entry, its rows — and nothing elsewhere."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from accutrain.config.train import TrainConfig
+from accutrain.core.options import RouterAux
 from accutrain.errors import UserError
 
 CONTRASTIVE = "accutrain.core.contrastive.contrastive"
+MOE = "accutrain.core.moe.moe"
 
 Test = Callable[[TrainConfig], bool]
 
@@ -41,6 +44,12 @@ def effective_batch(c: TrainConfig) -> int | None:
     if isinstance(c.micro_batch, int) and isinstance(c.devices, int) and c.batch_schedule is None:
         return c.micro_batch * (c.accum or 1) * c.devices
     return None
+
+
+def lora(c: TrainConfig, key: str) -> Any:
+    """model.lora.<key> (None where the model has no such node, or leaves it to PEFT)."""
+    node = c.model.get("lora")
+    return node.get(key) if isinstance(node, Mapping) else None
 
 
 def random_views(c: TrainConfig) -> bool:
@@ -100,6 +109,19 @@ TABLE: tuple[Entry, ...] = (
             "needs the whole model in one process; load the run's full checkpoint (strategy.checkpoint=full) into "
             "the model and export that"),
     )),
+    Entry("model.adapter=lora", lambda c: c.model.get("adapter") == "lora", (
+        Row(lambda c: lora(c, "alpha") == 0, "model.lora.alpha=0", "LoRA's update is scaled by alpha / r, so it is "
+            "zero whatever the adapter learns and the run would end with the model it started from: give "
+            "model.lora.alpha > 0 (null: PEFT's 8)"),
+        Row(lambda c: lora(c, "r") is not None and lora(c, "r") < 1, lambda c: f"model.lora.r={lora(c, 'r')}",
+            "the adapter's matrices have rank r: give model.lora.r ≥ 1 (null: PEFT's 8)"),
+        Row(lambda c: lora(c, "dropout") is not None and not 0 <= lora(c, "dropout") < 1,
+            lambda c: f"model.lora.dropout={lora(c, 'dropout'):g}", "a dropout of 1 (or more) drops every input of "
+            "the adapter, so its update is zero: give a probability in [0, 1)"),
+        Row(lambda c: lora(c, "target_modules") is not None and not lora(c, "target_modules"),
+            "model.lora.target_modules=[]", "no layer would carry an adapter, so nothing would train: name the layers "
+            "(null: PEFT's defaults for the architecture)"),
+    )),
     Entry("data.streaming=true", lambda c: bool(c.data.get("streaming")), (
         Row(lambda c: c.trainer.max_steps is None, "trainer.max_steps=null", "a stream's length is known only at its "
             "end: give trainer.max_steps=N, the run's length (trainer.epochs then caps the passes over the stream)"),
@@ -128,6 +150,19 @@ TABLE: tuple[Entry, ...] = (
     Entry("model.kernels=liger", lambda c: c.model.get("kernels") == "liger", (
         Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "Liger Kernel's Triton kernels need a CUDA "
             "GPU: drop model.kernels (model.logits=chunked keeps the logits from being held whole on any device)"),
+    )),
+    Entry("loss=moe", lambda c: c.loss.target == MOE, (
+        Row(lambda c: c.model.target.startswith("accutrain.models.") and c.model.target != "accutrain.models.hf."
+            "causal_lm", lambda c: f"model._target_={c.model.target}", "loss=moe balances the router of a "
+            "mixture-of-experts language model: use model=hf_causal_lm with a mixture-of-experts config (e.g. "
+            "+model.config.model_type=mixtral), or loss=cross_entropy"),
+        Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "the window's routing counts are not verified "
+            "with FSDP's sharded forwards; use strategy=ddp"),
+    )),
+    Entry("loss.router_aux=model", lambda c: c.loss.target == MOE and c.loss.get("router_aux") is RouterAux.model, (
+        Row(lambda c: c.data.get("packing") is True, "data.packing=true", "the model's own balancing loss reads a "
+            "block packed by documents as one sequence and its 4-D attention mask as padding: use "
+            "loss.router_aux=window, which counts each document's tokens (or data.packing=false)"),
     )),
     Entry("model.quantize=4bit", lambda c: c.model.get("quantize") is not None, (
         Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "

@@ -18,7 +18,8 @@ from omegaconf import MISSING, DictConfig
 
 from accutrain.config.data_schemas import (DigitsData, HFData, ImageFolderData, SequenceData, SyntheticData, TextData,
                                            TorchvisionData)
-from accutrain.config.loss_schemas import BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig
+from accutrain.config.loss_schemas import (BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig,
+                                           MoELossConfig)
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
                                       CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
@@ -180,7 +181,7 @@ class TrainConfig:
     sched: Any = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: Any = MISSING
-    loss: Any = MISSING  # loss=cross_entropy|bce|mse|l1|huber|custom|contrastive (configs/loss/)
+    loss: Any = MISSING  # loss=cross_entropy|bce|mse|l1|huber|custom|contrastive|moe (configs/loss/)
     batchnorm: BatchNormConfig = field(default_factory=BatchNormConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -227,6 +228,7 @@ SCHEMAS = {
     ("loss", "huber_schema"): HuberLoss,
     ("loss", "bce_schema"): BCELoss,
     ("loss", "contrastive_schema"): ContrastiveLossConfig,
+    ("loss", "moe_schema"): MoELossConfig,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,

@@ -174,7 +174,7 @@ def validate_batch_following(cfg: DictConfig) -> None:
 
 
 def augment_and_loss(cfg: DictConfig) -> None:
-    """augment.* and loss.label_smoothing: ranges a type cannot express."""
+    """augment.*, loss.label_smoothing and loss=moe's weights: ranges a type cannot express."""
     a, key = cfg.augment, "augment"
     if a.padding != "auto" and (isinstance(a.padding, bool) or not isinstance(a.padding, int) or a.padding < 0):
         raise UserError(f"{key}.padding={a.padding} is not valid: expected auto or 0 or more pixels")
@@ -206,6 +206,11 @@ def augment_and_loss(cfg: DictConfig) -> None:
     if not 0 <= smoothing < 1:
         raise UserError(f"loss.label_smoothing={smoothing} is not valid: expected 0 <= ε < 1 "
                         "(e.g. 0.1)")
+    for key in ("router_aux_coef", "router_z_coef"):  # loss=moe's weights
+        weight = cfg.loss.get(key)
+        if weight is not None and not 0 <= weight < math.inf:
+            raise UserError(f"loss.{key}={weight} is not valid: expected a weight of 0 or more"
+                            + (" (null: the model's own router_aux_loss_coef)" if key == "router_aux_coef" else ""))
 
 
 def validate_strategy(cfg: DictConfig) -> None:

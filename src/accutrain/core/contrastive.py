@@ -212,6 +212,14 @@ class ContrastiveLoss:
                     "the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)"]
         return []
 
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def summary(self, figures: dict[str, float]) -> str:
+        return ""
+
+    def components(self) -> dict[str, ContrastiveLoss]:
+        return {}
 
 
 def roles(inputs: Mapping[str, torch.Tensor]) -> list[tuple[str, dict[str, torch.Tensor]]]:

@@ -6,6 +6,11 @@ loss over the whole window), how the held-out split is evaluated (per sample, or
 accutrain-check compares, and what its targets must look like. Its refusals of other options are rows of
 accutrain.config.refusals, checked before PyTorch loads. Adding a family: a module in core/ (its maths and these
 methods), a config node (configs/loss/), its row in the refusal table, tests — nothing in train/ (docs/layout.md).
+
+Auxiliary outputs: a family that needs more of the model than its output (loss=moe: the router's logits) calls the
+model with `aux=(name, …)`; a model that provides them then returns (output, {name: value}) — model=hf_causal_lm
+does for a mixture of experts (models/moe.py) — and a plain call still returns the output alone. What a family
+measures beside its loss per window (`figures`) goes into each step's record, the trackers and the summary line.
 """
 from __future__ import annotations
 
@@ -83,6 +88,18 @@ class Loss(Protocol):
     def attach(self, model: nn.Module) -> list[str]:
         """What the loss needs of the model (a learnt temperature becomes its parameter); the warnings to log."""
 
+    def figures(self) -> dict[str, torch.Tensor]:
+        """What the loss measured over the window it accumulated last, beside its loss (loss=moe: the router's load
+        per layer): named 0-d tensors on the device, the same on every rank. The loop reads them with the step's
+        one synchronisation into the step's record (metrics.jsonl, the trackers); {} for none."""
+
+    def summary(self, figures: dict[str, float]) -> str:
+        """The final summary line's words for the last step's figures ('' for none)."""
+
+    def components(self) -> dict[str, Loss]:
+        """Parts of the objective whose gradient accutrain-check also compares alone, where the whole's would hide
+        them (loss=moe: the router's balancing loss beside the cross-entropy); {} for none."""
+
 
 class OnePass:
     """The window methods of a loss summed per micro-batch (cross-entropy, the per-term losses): a window is
@@ -145,6 +162,15 @@ class OnePass:
 
     def attach(self, model: nn.Module) -> list[str]:
         return []
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def summary(self, figures: dict[str, float]) -> str:
+        return ""
+
+    def components(self) -> dict[str, Loss]:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -221,6 +247,14 @@ class SummedLoss(OnePass):
         if self.shift_labels and target.dim() < 2:
             raise UserError("loss.shift_labels=true needs a target per token (labels = input_ids); this data has one "
                             "target per sample")
+
+    def attach(self, model: nn.Module) -> list[str]:
+        routing = getattr(model, "routing", None)  # a mixture of experts (models/moe.py)
+        if routing is not None and self.elements:
+            return [f"the model ({routing.name}) routes each token to {routing.top_k} of {routing.experts} experts, "
+                    "and loss=cross_entropy does not balance its router (experts may collapse): loss=moe adds its "
+                    "balancing loss, over the whole window"]
+        return []
 
     def check(self, model: nn.Module, batch: Batch, data: str) -> None:
         if self.per_sequence and isinstance(batch.inputs, dict) and "document_ids" in batch.inputs:

@@ -32,3 +32,10 @@ class MixMode(enum.Enum):
 class LastWindow(enum.Enum):
     step = "step"  # step on the incomplete last window of an epoch, normalised by its real size
     drop = "drop"  # drop it
+
+
+class RouterAux(enum.Enum):
+    window = "window"  # loss=moe: the router's balancing loss over the whole window, exactly (two passes)
+    micro_batch = "micro_batch"  # over each micro-batch alone, as the model computes it (not the big batch's)
+    model = "model"  # the model's own aux_loss as its forward returns it, per micro-batch (not the big batch's)
+    off = "off"  # no balancing loss (the router's load is still measured)

@@ -8,6 +8,7 @@ base weights come back from the model factory and the seed, as they were built t
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib.util
 import warnings
 from typing import Any, Optional
@@ -121,3 +122,73 @@ def trained_keys(module: nn.Module) -> set[str]:
             keys |= {f"{prefix}.{b}" if prefix else b for b, _ in sub.named_buffers(recurse=False)
                      if b not in sub._non_persistent_buffers_set}
     return keys
+
+
+SAMPLES = 4096  # elements of each frozen tensor that the base's fingerprint reads (evenly spread), besides its shape
+ADAPTER_KEYS = ("adapter", "lora")  # the model node's keys about the adapter, not about its base
+
+
+def frozen_base(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters a checkpoint does not hold (the model's state_dict leaves them out: an adapted model's frozen
+    base), in the model's order; none for a model whose checkpoints hold it whole."""
+    held = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    return [p for _, p in model.named_parameters() if id(p) not in held]
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> str:
+    """A short hash of the tensors' shapes, dtypes and SAMPLES of each one's elements (evenly spread): another
+    pretrained base, another revision, another random initialisation all differ in it (reading every weight of a
+    large model would take seconds)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES].contiguous().cpu()
+        digest.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def base_record(model: nn.Module, node: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """What the frozen base of an adapted model is, as checkpoints record it: the factory and its arguments (but the
+    adapter's), the name or path and revision, and the fingerprint of its weights as the factory built them. None
+    for a model whose checkpoints hold it whole."""
+    frozen = frozen_base(model)
+    if not frozen:
+        return None
+    arguments = {k: v for k, v in node.items() if k != "_target_" and k not in ADAPTER_KEYS}
+    return dict(factory=node["_target_"], arguments=arguments, name_or_path=node.get("name_or_path"),
+                revision=node.get("revision"), fingerprint=fingerprint(frozen))
+
+
+def describe_base(base: dict[str, Any]) -> str:
+    """A base in a few words: the factory, the name (or a random initialisation) and revision, the fingerprint."""
+    name = base.get("name_or_path") or "initialised at random"
+    revision = f" at revision {base['revision']}" if base.get("revision") else ""
+    return f"{str(base.get('factory')).rsplit('.', 1)[-1]} {name}{revision} (weights {base.get('fingerprint')})"
+
+
+def refuse_another_base(path: Any, saved: Optional[dict[str, Any]], now: Optional[dict[str, Any]]) -> None:
+    """A resume continues the adapter on the base it was trained on: a checkpoint of another base (another
+    fingerprint of the frozen weights) is refused in one line naming both, and the arguments that differ."""
+    if saved is None or now is None or saved.get("fingerprint") == now.get("fingerprint"):
+        return
+    before, after = flat(saved.get("arguments") or {}, "model"), flat(now.get("arguments") or {}, "model")
+    changed = [f"{k}: {before.get(k)} → {after.get(k)}" for k in sorted(set(before) | set(after))
+               if before.get(k) != after.get(k)]
+    if saved.get("factory") != now.get("factory"):
+        changed.insert(0, f"model._target_: {saved.get('factory')} → {now.get('factory')}")
+    raise UserError(f"{path} holds an adapter trained on the frozen base {describe_base(saved)}; this run's base is "
+                    f"{describe_base(now)}" + (f" ({'; '.join(changed[:3])})" if changed else "")
+                    + ": an adapter continues only on the base it was trained on — resume with that base's model "
+                    "settings, or start afresh")
+
+
+def flat(node: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A nested mapping's leaves by dotted key (model.config.n_layer)."""
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}.{key}"))
+        else:
+            out[f"{prefix}.{key}"] = value
+    return out

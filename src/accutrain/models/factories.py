@@ -1,6 +1,7 @@
 """Model factories selected by `model=`: torchvision classifiers by name, small mlp/cnn, or a user `_target_`."""
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Optional
 
@@ -141,7 +142,8 @@ def data_arguments(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, ex
 def loss_defaults(cfg: Any) -> dict[str, Any]:
     """What the model's factory (or class) says loss.normalize=auto and loss.shift_labels=null become (its
     `loss_defaults`: model=hf_causal_lm's tokens and shifted labels), else nothing."""
-    return dict(getattr(load_target("model._target_", cfg["_target_"]), "loss_defaults", {}))
+    factory = load_target("model._target_", cfg["_target_"])
+    return dict(inspect.getattr_static(factory, "loss_defaults", {}))  # declared by the factory, not computed
 
 
 def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import adapters, heads, neftune, packed
+from accutrain.models import adapters, empty_rows, heads, hf_keys, moe, neftune, packed
 from accutrain.models import kernels as kernels_module
 from accutrain.models.adapters import first_line
-from accutrain.models.pitfalls import set_dropout_config, set_dropout_modules
+from accutrain.models.hf_dropout import set_dropout_config, set_dropout_modules
 
 log = logging.getLogger("accutrain")
 
@@ -49,10 +49,12 @@ class HFAdapter(nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes **kwargs on
         self.use_cache = "use_cache" in inspect.signature(base.forward).parameters
         self.adapted = hasattr(model, "peft_config")  # model.adapter: the state holds the adapter's entries only
+        self.router = moe.router_of(base)  # a mixture of experts' router outputs; None: dense
+        self.routing = self.router.routing if self.router is not None else None  # what loss=moe reads
         if self.adapted:
-            self.register_state_dict_post_hook(_adapter_only)  # before the keys lose their "model." prefix
-        self.register_state_dict_post_hook(_plain_keys)
-        self.register_load_state_dict_pre_hook(_inner_keys)
+            self.register_state_dict_post_hook(hf_keys.adapter_only)  # before the keys lose their "model." prefix
+        self.register_state_dict_post_hook(hf_keys.plain_keys)
+        self.register_load_state_dict_pre_hook(hf_keys.inner_keys)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """An adapted model loads exactly its trained entries (another model's, or a full model's, are refused as
@@ -67,13 +69,27 @@ class HFAdapter(nn.Module):
                                + (f"unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
         return super().load_state_dict(state_dict, strict=False, assign=assign)
 
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, aux: tuple[str, ...] = (), **inputs: torch.Tensor) -> Any:
+        """The logits; with `aux` (e.g. ("router_logits",)), (logits, {name: the model's output of that name}). Zero
+        rows give zero rows (models/empty_rows.py)."""
+        if empty_rows.no_rows(inputs):
+            return empty_rows.cut(self.compute(aux, **empty_rows.one_row(inputs)))
+        return self.compute(aux, **inputs)
+
+    def compute(self, aux: tuple[str, ...], **inputs: torch.Tensor) -> Any:
         if self.use_cache:
             inputs["use_cache"] = False  # a training forward needs no key/value cache
-        return self.layout(self.model(**inputs).logits)
+        output, extra = moe.forward(self.model, self.router, inputs, aux)
+        logits = self.layout(output.logits)
+        return (logits, extra) if aux else logits
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
+
+    @property
+    def keyed_module(self) -> nn.Module:
+        """The module whose own names are this model's state_dict keys (parallel/state_dicts.py): the HF model."""
+        return self.model
 
     @property
     def max_positions(self) -> Optional[tuple[str, int]]:
@@ -103,17 +119,18 @@ class HFCausalLM(HFAdapter):
     logits = "full"  # or chunked: a Projection (heads.choose)
     fused = None  # model.kernels' fused cross-entropy for a Projection
 
-    def forward(self, **inputs: torch.Tensor) -> Any:
+    def compute(self, aux: tuple[str, ...], **inputs: torch.Tensor) -> Any:
         if "document_ids" in inputs:
             base = heads.causal(self.model)
             dtype = next(base.parameters()).dtype
             inputs = packed.document_inputs(inputs, getattr(base.config, "_attn_implementation", None) or "eager",
                                             dtype if dtype.is_floating_point else torch.float32)
-        if self.logits == "full":
-            return super().forward(**inputs)
+        if self.logits == "full" or "aux_loss" in aux:  # the model's own balancing loss: its full forward's
+            return super().compute(aux, **inputs)
         if self.use_cache:
             inputs["use_cache"] = False
-        return heads.project(self.model, inputs, self.fused)
+        output, extra = moe.forward(lambda **kw: heads.project(self.model, kw, self.fused), self.router, inputs, aux)
+        return (output, extra) if aux else output
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.transpose(1, 2)
@@ -121,26 +138,6 @@ class HFCausalLM(HFAdapter):
 
 class HFSeqCls(HFAdapter):
     """Logits (batch, classes)."""
-
-
-def _adapter_only(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    keep = {prefix + key for key in adapters.trained_keys(module)}
-    for key in [k for k in state_dict if k.startswith(prefix) and k not in keep]:
-        del state_dict[key]
-
-
-def _plain_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    inner = prefix + "model."
-    items = list(state_dict.items())
-    state_dict.clear()  # rebuilt in the same order
-    for key, value in items:
-        state_dict[prefix + key[len(inner):] if key.startswith(inner) else key] = value
-
-
-def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    inner = prefix + "model."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def causal_lm(num_classes: int, adapter: Optional[str] = None, lora: Optional[dict] = None,

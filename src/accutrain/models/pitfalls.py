@@ -1,10 +1,10 @@
 """What silently spoils an accumulated run, said at start: dropout (its masks depend on how the window is cut) and
-labels that equal the inputs (a causal LM would learn to copy its input); setting every drop probability of a
-Hugging Face model (model.dropout). BatchNorm's warning is in accutrain.models.norms."""
+labels that equal the inputs (a causal LM would learn to copy its input). BatchNorm's warning is in
+accutrain.models.norms."""
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Optional
 
 from torch import nn
 
@@ -63,32 +63,3 @@ def unshifted_labels_warning(batch: Batch, loss: Loss, share: float = 0.5) -> Op
                         "input_ids, where the model shifts them, so the model would learn to copy its input; set "
                         "loss.shift_labels=true, or shift the labels in the data")
     return None
-
-
-def set_dropout_config(config: Any, p: float) -> list[str]:
-    """Every drop probability of a Hugging Face config (and of its sub-configs) set to p, None ones included (a
-    head whose dropout is None falls back to another one, or to 0.1). Returns the keys set."""
-    changed = []
-    for key in config.to_dict():
-        value = getattr(config, key, None)
-        if hasattr(value, "to_dict"):  # a sub-config (composite models)
-            changed += [f"{key}.{k}" for k in set_dropout_config(value, p)]
-        elif STOCHASTIC.search(key) and (value is None or type(value) in (int, float)):
-            setattr(config, key, p)
-            changed.append(key)
-    return changed
-
-
-def set_dropout_modules(model: nn.Module, p: float) -> int:
-    """Every dropout layer's p, and every float drop probability a module keeps (Llama's attention_dropout,
-    handed to SDPA), set to p: what a config key cannot reach. Returns how many were set."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = p
-            count += 1
-        for attr, value in list(vars(module).items()):
-            if STOCHASTIC.search(attr) and isinstance(value, float):
-                setattr(module, attr, p)
-                count += 1
-    return count

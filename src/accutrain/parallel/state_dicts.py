@@ -11,16 +11,19 @@ into a temporary directory and renamed into place once whole, so a killed run ne
 """
 from __future__ import annotations
 
+import errno
 import pickle
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
-from accutrain.dist import World
+from accutrain.dist import World, broadcast_from_main
 from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.store.checkpoint import STATE_FILE, save_atomic
 from accutrain.store.files import fsync_dir
@@ -30,6 +33,48 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     """The names of the optimizer's parameters, in the order torch.optim numbers them (param_groups in turn)."""
     name_of = {id(p): name for name, p in model.named_parameters()}
     return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def keyed(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose own names are the checkpoint's keys, and its prefix among `model`'s names. A model whose
+    state_dict renames its keys (models/hf.py's adapter, which drops `model.`) names that module `keyed_module`:
+    PyTorch's distributed state dicts walk each key attribute by attribute, so they are given that module."""
+    inner = getattr(model, "keyed_module", None)
+    if not isinstance(inner, nn.Module):
+        return model, ""
+    return inner, next(name for name, m in model.named_modules() if m is inner) + "."
+
+
+def model_state(model: nn.Module, options: Optional[StateDictOptions] = None) -> dict[str, Any]:
+    """get_model_state_dict under the checkpoint's keys."""
+    return get_model_state_dict(keyed(model)[0], options=options)
+
+
+def set_model_state(model: nn.Module, state: dict[str, Any], options: Optional[StateDictOptions] = None) -> None:
+    set_model_state_dict(keyed(model)[0], state, options=options)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options: Optional[StateDictOptions] = None
+                    ) -> dict[str, Any]:
+    """get_optimizer_state_dict keyed by the parameters' names in `model` (as optimizer_names gives them)."""
+    inner, prefix = keyed(model)
+    return renamed(get_optimizer_state_dict(inner, optimizer, options=options), lambda name: prefix + name)
+
+
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                        options: Optional[StateDictOptions] = None) -> None:
+    inner, prefix = keyed(model)
+    set_optimizer_state_dict(inner, optimizer, renamed(state, lambda name: name.removeprefix(prefix)),
+                             options=options)
+
+
+def renamed(state: dict[str, Any], rename: Any) -> dict[str, Any]:
+    """A name-keyed optimizer state with every parameter name passed through `rename` (an empty state: as it is)."""
+    if not state or numbered(state):
+        return state
+    return {"state": {rename(name): s for name, s in state["state"].items()},
+            "param_groups": [{**group, "params": [rename(p) for p in group["params"]]}
+                             for group in state["param_groups"]]}
 
 
 def numbered(state: dict[str, Any]) -> bool:
@@ -68,28 +113,55 @@ def unreadable(error: BaseException) -> bool:
 
 def write_sharded(directory: Path, shards: dict[str, Any], state: dict[str, Any], world: World) -> Path:
     """Every rank writes its `shards` (DCP) and rank 0 `state` into checkpoints/<name>/, made as .<name>.tmp/ and
-    renamed into place once whole (an older one of the same name is replaced). Collective: every rank calls it."""
-    import torch.distributed as dist
+    renamed into place once whole (an older one of the same name is replaced). Collective: every rank calls it. A
+    write that fails on any rank (a full disk, an I/O error) raises the same OSError on every rank, the temporary
+    directory removed: the previous checkpoint stays whole."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tmp = directory.with_name(f".{directory.name}.tmp")
+    error: Optional[OSError] = None
     if world.main:
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed run left
-        tmp.mkdir(parents=True)
-    if world.size > 1:
-        dist.barrier()
-    dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; rank 0 the metadata once all are written
-    if world.main:
-        save_atomic(state, tmp / STATE_FILE)
-        fsync_dir(tmp)
-        old = directory.with_name(f".{directory.name}.old")
-        if directory.exists():
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    error = broadcast_from_main(error, world)
+    if error is None:
+        try:
+            dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; rank 0 the metadata once all are written
+        except CheckpointException as e:  # DCP gathers every rank's failure: raised the same on every rank
+            error = write_failure(e)
+    if error is None and world.main:
+        try:
+            save_atomic(state, tmp / STATE_FILE)
+            fsync_dir(tmp)
+            old = directory.with_name(f".{directory.name}.old")
+            if directory.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                directory.rename(old)
+            tmp.rename(directory)
+            fsync_dir(directory.parent)
             shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-        tmp.rename(directory)
-        fsync_dir(directory.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            error = e
+    error = broadcast_from_main(error, world)  # rank 0's outcome, the same on every rank
+    if error is not None:
+        if world.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error
     return directory
+
+
+def write_failure(error: BaseException) -> OSError:
+    """The OSError behind a failed DCP write (any rank's), or one of EIO naming what failed."""
+    causes = [failure[0] for failure in error.failures.values()] if hasattr(error, "failures") else [error]
+    found = next((c for c in causes if isinstance(c, OSError)), None)
+    if found is not None:
+        return OSError(found.errno, found.strerror or str(found))
+    first = (str(causes[0] if causes else error).strip().splitlines() or [type(error).__name__])[0]
+    return OSError(errno.EIO, f"the sharded checkpoint could not be written: {first[:160]}")
 
 
 def read_sharded(directory: Path, templates: dict[str, Any]) -> dict[str, Any]:

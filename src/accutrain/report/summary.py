@@ -11,6 +11,7 @@ from typing import Optional
 from accutrain.errors import UserError
 from accutrain.report import noise
 from accutrain.report.runs import MISSING_VALUE, RunRow, collect, common_overrides, read_run
+from accutrain.store import mark
 
 log = logging.getLogger("accutrain")
 
@@ -172,6 +173,7 @@ def write_report(root: Path, rows: Optional[list[RunRow]] = None) -> Report:
     single = rows[0].path == root
     image = root / ("loss.png" if single else "summary.png")
     files = [root / "summary.md", root / "summary.csv"]
+    ours(root, [*files, image, root / "noise.png"])
     try:
         plots.plot_run(rows[0], image) if single else plots.plot_summary(rows, image)
         files.append(image)
@@ -193,12 +195,30 @@ def write_report(root: Path, rows: Optional[list[RunRow]] = None) -> Report:
     return Report(rows, "\n\n".join(p for p in parts if p), files)
 
 
+def ours(root: Path, files: list[Path]) -> None:
+    """The summary's files are written only into a directory accutrain marked (a run's, a sweep's, or one a report
+    was written into before: store.mark) or one made before the mark existed; into any other folder only where none
+    of them is there yet (the folder is then marked as a report's). UserError otherwise: a user's own summary.md
+    is never replaced."""
+    if mark.owner(root) is not None:
+        return
+    theirs = [p.name for p in files if p.exists() or p.is_symlink()]
+    if theirs:
+        raise UserError(f"{root} is not a directory accutrain made (no {mark.MARK_FILE} mark) and holds "
+                        f"{', '.join(theirs)} of its own, which the summary would replace: summarise a run or sweep "
+                        "directory, or move those files away")
+    mark.write_new(root, "report")
+
+
 def write_loss_plot(run_dir: Path, status: Optional[str] = None) -> Optional[Path]:
-    """Draw run_dir/loss.png from its metrics.jsonl when it has any step; never raises (a warning instead). `status`
-    titles it when status.json does not have the outcome yet."""
+    """Draw run_dir/loss.png from its metrics.jsonl when it has any step, in a run directory accutrain marked
+    (store.mark); never raises (a warning instead). `status` titles it when status.json does not have the outcome
+    yet."""
     from accutrain.report import plots  # matplotlib is imported only when a plot is drawn
 
     out = run_dir / "loss.png"
+    if mark.owner(run_dir) != "run":
+        return None
     try:
         row = read_run(run_dir, run_dir.name)
         row.status = status or row.status

@@ -25,7 +25,7 @@ from accutrain.models.norms import batchnorm_in
 from accutrain.run.scheduler import launcher_name
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
-from accutrain.signals import SIGNALS, StopRequest, die_with_parent, signal_numbers
+from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, die_with_parent, signal_numbers
 from accutrain.store import checkpoint
 from accutrain.train.loop import Outcome
 
@@ -150,6 +150,9 @@ def _worker(local_rank: int, job: _Job) -> None:
     die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
     if hasattr(os, "setsid"):  # a session of its own, as torchrun's workers: the terminal's Ctrl-C reaches the command
         os.setsid()  # alone, which passes it on once (spawn) — not twice, which a rank would take for a second Ctrl-C
+    # The fork server ignores Ctrl-C (accutrain.run.forkserver); a rank takes the command's at once — before it trains
+    # a KeyboardInterrupt (exit 130 below), then its stop request's handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
         os.environ.clear()
         os.environ.update(job.environ)
@@ -169,6 +172,8 @@ def _worker(local_rank: int, job: _Job) -> None:
     except UserError as e:
         job.errors.put((world.rank, str(e)))
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before this rank trains, or a second one: stopped at once (the command says so)
+        sys.exit(128 + signal.SIGINT)
     finally:
         leave_process_group()
 
@@ -244,8 +249,11 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32,
                dict(os.environ))
-    context = torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
-                                                    start_method=method)
+    context = None
+
+    def start() -> Any:
+        return torch.multiprocessing.start_processes(_worker, args=(job,), nprocs=nprocs, join=False,
+                                                     start_method=method)
 
     def pass_on(signum: int) -> None:
         for process in context.processes:
@@ -253,8 +261,12 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
                 os.kill(process.pid, signum)
 
     try:
+        with ctrl_c_deferred():  # answered once every worker forked is known here (a worker whose parent is gone
+            context = start()  # as it starts would print a traceback)
         with StopRequest(on_request=pass_on, announce=False, signals=signals):
             failed = first_failure(context)
+            if failed is not None and context.processes[failed].exitcode == 128 + signal.SIGINT:
+                raise KeyboardInterrupt  # a rank stopped at once on Ctrl-C: before it trained, or a second one
             if failed is not None and context.processes[failed].exitcode < 0 and errors.empty():
                 name = signal_name(-context.processes[failed].exitcode)
                 raise RankDied(f"rank {failed} of {nprocs} was killed by {name} (the OOM killer, kill -9, a "
@@ -272,8 +284,8 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
         cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
         raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
                            f"\n{e}") from None
-    except KeyboardInterrupt:
-        for process in context.processes:
+    except KeyboardInterrupt:  # (workers started but not yet known here die with this process)
+        for process in context.processes if context is not None else []:
             process.kill()
         raise
     return results.get() if not results.empty() else None

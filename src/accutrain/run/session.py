@@ -20,7 +20,7 @@ from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
 from accutrain.run.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
-from accutrain.store import checkpoint
+from accutrain.store import checkpoint, owned
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
 from accutrain.store.weights import WEIGHTS_FILE, save_weights
@@ -48,6 +48,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
     if world.main:
+        owned.adopt(run_dir)  # before anything is written there: accutrain's own, or refused
         log.info(f"run directory {run_dir} (train.log, metrics.jsonl, checkpoints/)")
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     parts = build(cfg, world, device, cache_dir=run_dir.parent)
@@ -93,7 +94,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if world.main:
         row = read_run(run_dir, run_dir.name)  # the run as its summary table (accutrain-report) gives it
         trackers.finish("interrupted" if out.stopped_by else "completed", out.progress, out.seconds, out.samples,
-                        out.peak_mb, noise_summary(parts, row))
+                        out.peak_mb, {**noise_summary(parts, row), **out.figures})
         say_how_it_ended(parts, out, run_dir, row)
     parts.strategy.close()
     if world.main:
@@ -157,33 +158,40 @@ class Checkpoints:
             raise UserError(f"the weights are not finite at optimizer step {p.step}: no checkpoint written "
                             f"(the last good one is {newest[0] if newest else 'none'})")
         path = None
-        if shards is not None:  # every rank writes; a failure here is PyTorch's, raised on every rank
-            path = write_sharded(self.rotation.directory / ("best" if best else f"step-{p.step:08d}"), shards,
-                                 state, parts.world)
-            if parts.world.main and not best:
-                self.rotation.commit(path)
-        elif parts.world.main:
-            try:
+        try:
+            if shards is not None:  # every rank writes; a failure is raised alike on every rank (write_sharded)
+                path = write_sharded(self.rotation.directory / ("best" if best else f"step-{p.step:08d}"), shards,
+                                     state, parts.world)
+                if parts.world.main and not best:
+                    self.rotation.commit(path)
+            elif parts.world.main:
                 epoch = p.last_epoch + 1  # the step's epoch, as the log and metrics.jsonl count it
-                path = (self.rotation.save_best(for_evaluation(state), f"epoch{epoch}-step{p.step}-{parts.monitor.metric}"
-                                                f"{p.best:.4g}") if best else self.rotation.save(state, p.step, epoch))
-                if not best:
-                    self.failure = None
-            except OSError as e:
-                newest = self.rotation.steps()
-                failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} "
-                           f"into {self.rotation.directory} ({e.strerror or e}); the newest on disk is "
-                           f"{newest[0].name if newest else 'none'}")
-                if best or p.step < parts.plan.total_steps:  # the run's last one: raise_if_the_last_failed says it
-                    log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} "
-                              "tries again")
-                if not best:  # a best.pt that could not be written leaves the run's last steps saved
-                    self.failure = failure
-                    self.failed.append(p.step)
-                    add_to_status(self.rotation.directory.parent, checkpoints_failed=dict(
-                        count=len(self.failed), steps=self.failed[:10], last_step=p.step, error=e.strerror or str(e)))
+                path = (self.rotation.save_best(for_evaluation(state), f"epoch{epoch}-step{p.step}-"
+                                                f"{parts.monitor.metric}{p.best:.4g}") if best
+                        else self.rotation.save(state, p.step, epoch))
+            if not best:
+                self.failure = None
+        except OSError as e:
+            path = None
+            if parts.world.main:
+                self.not_written(e, p, best)
         dist.wait_for_main(parts.world)  # no rank leaves before the checkpoint is on disk
         return path
+
+    def not_written(self, e: OSError, p: Progress, best: bool) -> None:
+        """The checkpoint of step p.step (or best.pt) could not be written: one error line, recorded."""
+        newest = self.rotation.steps()
+        failure = (f"could not write {'best.pt' if best else 'the checkpoint'} of optimizer step {p.step} into "
+                   f"{self.rotation.directory} ({e.strerror or e}); the newest on disk is "
+                   f"{newest[0].name if newest else 'none'}")
+        if best or p.step < self.parts.plan.total_steps:  # the run's last one: raise_if_the_last_failed says it
+            log.error(f"{failure}: training goes on, the next {'best evaluation' if best else 'checkpoint'} tries "
+                      "again")
+        if not best:  # a best.pt that could not be written leaves the run's last steps saved
+            self.failure = failure
+            self.failed.append(p.step)
+            add_to_status(self.rotation.directory.parent, checkpoints_failed=dict(
+                count=len(self.failed), steps=self.failed[:10], last_step=p.step, error=e.strerror or str(e)))
 
     def best_path(self) -> Path:
         """Where the best evaluation's checkpoint is (best.pt; best/ when sharded)."""
@@ -242,6 +250,7 @@ def say_how_it_ended(parts: Components, out: Outcome, run_dir: Path, row: RunRow
                                    out.tokens, parts.world.size, row.samples_per_s)
     results += [f"{p.skipped} non-finite window{'s' if p.skipped > 1 else ''} skipped"] if p.skipped else []
     results += [headline(out.test, monitor.metric)] if out.test is not None else []
+    results += [words] if out.figures and (words := parts.loss.summary(out.figures)) else []
     for line in [done, ", ".join(results)] if results else [done]:
         log.info(line)
     noise = noise_summary(parts, row)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from accutrain.errors import UserError
+from accutrain.store import mark
 from accutrain.store.files import fsync_dir, write_atomic
 
 log = logging.getLogger("accutrain")
@@ -136,6 +137,7 @@ class Rotation:
 
     def __init__(self, directory: Path, keep: int) -> None:
         self.directory, self.keep = directory, keep
+        self.unmarked = False  # said that the run directory lost its mark (once)
 
     def steps(self) -> list[Path]:
         """Step files, newest first (those of abandoned branches, in abandoned-*/, are not among them)."""
@@ -176,7 +178,15 @@ class Rotation:
         self.prune()
 
     def prune(self) -> None:
+        """The step checkpoints beyond `keep` deleted (and their names), in a run directory accutrain marked only: in
+        any other, one warning and nothing deleted."""
         gone = self.steps()[self.keep :]
+        if gone and mark.owner(self.directory.parent) != "run":
+            if not self.unmarked:
+                log.warning(f"{self.directory.parent} no longer carries accutrain's mark ({mark.MARK_FILE}): the "
+                            f"checkpoints beyond trainer.keep_checkpoints={self.keep} are kept, not deleted")
+            self.unmarked = True
+            return
         for old in gone:
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
@@ -249,6 +259,7 @@ class Rotation:
         later += self.named(lambda best, held: held > step)
         if not later:
             return None
+        mark.require(self.directory.parent, "run", "set a branch's later checkpoints aside")
         aside = self.directory / f"{ABANDONED}{datetime.now():%Y%m%d-%H%M%S}"
         n = 1
         while aside.exists():

@@ -1,5 +1,6 @@
-"""The names accutrain owns in a run directory: it writes into a directory only when that is new, empty or an
-earlier accutrain run's, and a tracker or plug-in may not take those names, nor replace an existing file elsewhere."""
+"""The names accutrain owns in a run directory: it writes into a directory only when that is new, empty or marked as
+accutrain's (store.mark), and a tracker or plug-in may not take those names, nor replace an existing file
+elsewhere."""
 from __future__ import annotations
 
 import json
@@ -9,32 +10,14 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from accutrain.errors import UserError
+from accutrain.store import mark
 from accutrain.store.rundir import CHECKPOINTS, LOCK_FILE, RUN_FILES
-from accutrain.store.status import STATUS_FILE
 
 TRACKERS_FILE = "trackers.json"  # the trackers' run ids, for a resume
 # Everything accutrain (and Hydra for it) writes at the top of a run directory.
-OWNED = (*RUN_FILES, CHECKPOINTS, "train.log", ".hydra", LOCK_FILE, TRACKERS_FILE, "hf")
+OWNED = (*RUN_FILES, CHECKPOINTS, "train.log", ".hydra", LOCK_FILE, mark.MARK_FILE, TRACKERS_FILE, "hf")
 # The keys of a logger.<name> node that name a file or directory (relative ones are taken inside the run directory).
 PATH_KEY = re.compile(r"(^|_)(file|filename|path|dir|folder)$")
-
-
-def is_run_dir(directory: Path) -> bool:
-    """Whether `directory` holds accutrain's own record of a run: its status.json, Hydra's .hydra/ of a job whose
-    config has accutrain's trainer node, or (a run trained in process, which writes no status.json) its config.yaml
-    beside accutrain's checkpoints."""
-    if (directory / STATUS_FILE).is_file():
-        return True
-    for config in (directory / ".hydra" / "config.yaml", directory / "config.yaml"):
-        try:
-            text = config.read_text(errors="replace")
-        except OSError:
-            continue
-        ours = re.search(r"^trainer:", text, re.M) is not None and re.search(r"^micro_batch:", text, re.M) is not None
-        if ours and (config.parent.name == ".hydra" or any((directory / "checkpoints").glob("step-*"))
-                     or (directory / "checkpoints" / "last.pt").exists()):
-            return True
-    return False
 
 
 def refuse_empty(value: str, key: str) -> None:
@@ -44,21 +27,50 @@ def refuse_empty(value: str, key: str) -> None:
                         f"directory of its own (e.g. {key}=runs/first)")
 
 
-def refuse_foreign(directory: Path, key: str) -> None:
-    """A directory accutrain may write a run into: new, empty, or an earlier accutrain run's; anything else (a project
-    folder with files of its own, `hydra.run.dir=.`) is refused in one line before anything is written."""
+WRITES = {"run": "config.yaml, train.log, metrics.jsonl and checkpoints/",
+          "sweep": "a folder per job, multirun.yaml and summary.md, summary.csv, summary.png"}
+
+
+def refuse_foreign(directory: Path, key: str, kind: str = "run") -> None:
+    """A directory accutrain may write a `kind` (run or sweep) into: new, empty (empty files and folders of
+    accutrain's own names aside: what a command checking it left there, as it starts), or one accutrain marked as a
+    `kind` directory (store.mark; one made before the mark existed is recognised by accutrain's record of its
+    config). Anything else — a project folder with files of its own, `hydra.run.dir=.`, `hydra.sweep.dir=.` — is
+    refused in one line before anything is written, whatever the flags."""
     if not directory.is_dir():
         return
     try:
-        entries = sorted(p.name for p in directory.iterdir())
+        entries = sorted(p.name for p in directory.iterdir() if not (p.name in OWNED and empty(p)))
     except OSError:
         return  # the writability check says why
-    if not entries or is_run_dir(directory) or (".lock" in entries and set(entries) <= {".lock", "train.log"}):
-        return  # (a run stopped during start-up leaves its lock file and log alone)
+    found = mark.owner(directory)
+    if not entries or found == kind:
+        return
+    if found is not None:
+        raise UserError(f"{directory} ({key}) is an accutrain {found} directory, not a {kind} directory: choose a new "
+                        f"or empty {key}")
     shown = ", ".join(entries[:5]) + (", …" if len(entries) > 5 else "")
-    raise UserError(f"{directory} ({key}) is not an accutrain run directory: it holds files of its own ({shown}) and "
-                    f"no status.json; accutrain writes config.yaml, train.log, metrics.jsonl and checkpoints/ into "
-                    f"{key}: choose a new or empty directory")
+    raise UserError(f"{directory} ({key}) is not an accutrain {kind} directory: it holds files of its own ({shown}) "
+                    f"and no {mark.MARK_FILE} mark (accutrain marks the directories it creates); accutrain writes "
+                    f"{WRITES[kind]} into {key}: choose a new or empty directory")
+
+
+def empty(path: Path) -> bool:
+    """Whether `path` is an empty file or folder."""
+    try:
+        return not any(path.iterdir()) if path.is_dir() else path.stat().st_size == 0
+    except OSError:
+        return False
+
+
+def adopt(run_dir: Path) -> None:
+    """A run trained in process (accutrain.run.launch.train, not the command line, which claims its directory before
+    Hydra writes there): run_dir is accutrain's — marked, or new or empty and marked now — or refused in one line
+    before anything is written."""
+    refuse_foreign(run_dir, "the run directory")
+    if mark.read(run_dir) is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        mark.write_new(run_dir, "run")
 
 
 def path_values(node: Any, prefix: str) -> Iterator[tuple[str, str]]:

@@ -11,7 +11,9 @@ from typing import Iterator, Optional
 
 
 from accutrain.errors import UserError
+from accutrain.store import mark
 from accutrain.store.files import read_jsonl
+from accutrain.store.record import Changes
 from accutrain.store.status import STATUS_FILE, live_here, read_status
 
 log = logging.getLogger("accutrain")
@@ -108,7 +110,8 @@ def check_writable(run_dir: Path, log_file: Optional[Path] = None) -> None:
 def clear(run_dir: Path) -> list[str]:
     """trainer.overwrite=true: delete what an earlier run wrote (checkpoints, abandoned branches' too, metrics.jsonl,
     status.json, config.yaml, plots, summaries) and empty its train.log (which Hydra may already hold open); the
-    names removed."""
+    names removed. Only in a directory accutrain marked as a run's (UserError otherwise)."""
+    mark.require(run_dir, "run", "delete an earlier run's files (trainer.overwrite=true)")
     removed = []
     for path in [*checkpoint_files(run_dir), *(run_dir / name for name in RUN_FILES)]:
         if path.is_file():
@@ -128,24 +131,31 @@ LOCK_FILE = ".lock"
 
 
 @contextmanager
-def held(run_dir: Path, key: str = "hydra.run.dir") -> Iterator[None]:
-    """This run's hold on run_dir, from before it looks for an earlier run there to its end: a second accutrain
-    started into the same directory meanwhile (two resume=auto at the same moment) is refused in one line, where the
-    check and the `running` record would let both through. The hold is the kernel's lock (flock) on run_dir/.lock:
-    it ends with the process, however the process ends. Where there is no flock (Windows), nothing is held."""
+def held(run_dir: Path, key: str = "hydra.run.dir", changes: Optional[Changes] = None) -> Iterator[None]:
+    """This command's hold on run_dir (a run's or a sweep's), from before it looks for an earlier run there to its
+    end: a second accutrain started into the same directory meanwhile (two fresh starts, two resume=auto at the same
+    moment) is refused in one line, where the check and the `running` record would let both through. The hold is the
+    kernel's lock (flock) on run_dir/.lock: it ends with the process, however the process ends. A lock file this
+    creates is added to `changes`. Where there is no flock (Windows), nothing is held."""
     try:
         import fcntl
     except ImportError:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = run_dir / LOCK_FILE
+    try:
+        fd, created = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        fd, created = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644), False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise UserError(f"{run_dir} ({key}) is in use: another accutrain is running in it right now; wait for it to "
                         "end, or choose another directory") from None
+    if created and changes is not None:
+        changes.lock = lock
     try:
         yield
     finally:
@@ -159,22 +169,3 @@ def prepare(run_dir: Path, resume: Optional[str], overwrite: bool, log_file: Opt
         removed = clear(run_dir)
         log.warning(f"trainer.overwrite=true: deleted the earlier run's {', '.join(removed) or 'files'} in {run_dir}")
     check_writable(run_dir, log_file)
-
-
-def remove_new(run_dir: Path, hydra_subdir: Optional[str], log_name: Optional[str]) -> None:
-    """A run directory this command created, removed when the run is refused before it takes the directory over:
-    the files accutrain and Hydra write as a run starts (Hydra's record, the log, status.json, the lock), then the
-    folders left empty (checkpoints/, Hydra's, the directory itself). Anything else is left where it is."""
-    names = [STATUS_FILE, LOCK_FILE] + ([log_name] if log_name else [])
-    if hydra_subdir is not None:
-        names += [f"{hydra_subdir}/{name}" for name in ("config.yaml", "hydra.yaml", "overrides.yaml")]
-    for name in names:
-        try:
-            (run_dir / name).unlink(missing_ok=True)
-        except OSError:
-            pass
-    for folder in [run_dir / CHECKPOINTS, *([run_dir / hydra_subdir] if hydra_subdir else []), run_dir]:
-        try:
-            folder.rmdir()  # only when empty
-        except OSError:
-            pass

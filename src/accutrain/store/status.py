@@ -13,8 +13,7 @@ from typing import Any, Iterator, Optional
 
 from accutrain.errors import Preempted, one_line
 from accutrain.store.files import json_text, write_atomic
-from accutrain.store.record import Files
-from accutrain.store.record import put_back as put_files_back
+from accutrain.store.record import Changes, current
 
 STATUS_FILE = "status.json"
 FINAL_STATES = ("completed", "failed", "interrupted", "requeued")  # requeued: preempted, to resume under submitit
@@ -26,9 +25,9 @@ def _now() -> str:
     return datetime.now().astimezone().isoformat(timespec="milliseconds")
 
 
-def write_status(run_dir: Path, state: str, error: Optional[str] = None) -> None:
-    """Record the run's state; a final state keeps what the running record holds (start time, plan). Never raises:
-    logs a warning."""
+def write_status(run_dir: Path, state: str, error: Optional[str] = None) -> Optional[bytes]:
+    """Record the run's state; a final state keeps what the running record holds (start time, plan). The bytes
+    written (None when they could not be). Never raises: logs a warning."""
     record: dict[str, Any] = {"state": state, "started": _now(), "host": socket.gethostname(), "pid": os.getpid()}
     if state != "running":
         record = {**(read_status(run_dir) or {}), **{k: v for k, v in record.items() if k != "started"}}
@@ -36,7 +35,7 @@ def write_status(run_dir: Path, state: str, error: Optional[str] = None) -> None
         record["ended"] = _now()
     if error is not None:
         record["error"] = error
-    _write(run_dir, record)
+    return _write(run_dir, record)
 
 
 def add_to_status(run_dir: Path, **fields: Any) -> None:
@@ -46,13 +45,14 @@ def add_to_status(run_dir: Path, **fields: Any) -> None:
         _write(run_dir, {**record, **fields})
 
 
-def _write(run_dir: Path, record: dict[str, Any]) -> None:
+def _write(run_dir: Path, record: dict[str, Any]) -> Optional[bytes]:
     """Replace status.json whole; when that fails (a full disk has no room for the new file), overwrite the old one
-    in place: the blocks it holds already take the record, so that status.json tells how the run ended."""
+    in place: the blocks it holds already take the record, so that status.json tells how the run ended. The bytes
+    written, or None."""
     path, text = run_dir / STATUS_FILE, (json_text(record) + "\n").encode()
     try:
         write_atomic(path, text)
-        return
+        return text
     except OSError as e:
         error = e
     try:
@@ -64,12 +64,13 @@ def _write(run_dir: Path, record: dict[str, Any]) -> None:
             os.pwrite(fd, text, 0)
             os.ftruncate(fd, len(text))
             os.fsync(fd)
-            return
+            return text
         except OSError:
             pass
         finally:
             os.close(fd)
     log.warning(f"could not record the run's status in {path}: {error.strerror or error}")
+    return None
 
 
 def read_status(run_dir: Path) -> Optional[dict[str, Any]]:
@@ -131,16 +132,22 @@ class Recorded:
 
 
 @contextmanager
-def recorded(run_dir: Path, earlier_files: Optional[Files] = None) -> Iterator[Recorded]:
+def recorded(run_dir: Path, changes: Optional[Changes] = None) -> Iterator[Recorded]:
     """Mark the run running, then completed, failed (error in one line) or interrupted (a signal); re-raises.
 
     A command continuing an earlier run (its status.json is there) that ends before it takes the directory over —
     refused, or with nothing left to train — leaves the earlier record as it was: status.json byte for byte (one of
-    a run that had not been marked completed is marked so when nothing is left to train), and `earlier_files`
-    (Hydra's .hydra/ record, as it was before Hydra wrote it) put back."""
+    a run that had not been marked completed is marked so when nothing is left to train), and everything else in
+    `changes` (what the command wrote before: Hydra's .hydra/ record, its mark) put back where it still holds what
+    the command wrote. Each status.json this writes is added to `changes`."""
     path = run_dir / STATUS_FILE
     earlier = path.read_bytes() if path.is_file() and read_status(run_dir) is not None else None
+    changes = Changes() if changes is None else changes
     outcome = Recorded()
+
+    def record(state: str, error: Optional[str] = None) -> None:
+        before = current(path)
+        changes.wrote(path, write_status(run_dir, state, error), before)
 
     def put_back(done: bool) -> bool:
         if earlier is None or taken_over(run_dir):
@@ -149,26 +156,25 @@ def recorded(run_dir: Path, earlier_files: Optional[Files] = None) -> Iterator[R
         if done and before["state"] != "completed":
             _write(run_dir, {**{k: v for k, v in before.items() if k != "error"}, "state": "completed",
                              "ended": _now()})
-        else:
-            put_files_back({path: earlier})
-        put_files_back(earlier_files or {})
+            changes.forget(path)
+        changes.put_back()
         outcome.kept = True
         return True
 
-    write_status(run_dir, "running")
+    record("running")
     try:
         yield outcome
     except KeyboardInterrupt:
         if not put_back(False):
-            write_status(run_dir, "interrupted")
+            record("interrupted")
         raise
     except Preempted as e:
         if not put_back(False):
-            write_status(run_dir, "interrupted", str(e))
+            record("interrupted", str(e))
         raise
     except BaseException as e:
         if not put_back(False):
-            write_status(run_dir, "failed", one_line(e))
+            record("failed", one_line(e))
         raise
     if not put_back(True):
-        write_status(run_dir, "completed")
+        record("completed")

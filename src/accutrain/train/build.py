@@ -56,7 +56,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     precision = make_precision(trainer.precision, device)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
-    model, loss, built = build_model(cfg, datasets, batches, world, device, precision, strategy)
+    model, loss, built, base = build_model(cfg, datasets, batches, world, device, precision, strategy)
     supplied.update({node: arguments for node, arguments in built.items() if arguments})
     model = strategy.prepare(model)
     losses.attach(loss, model)  # a learnt temperature: a parameter of the model, before the optimizer
@@ -156,7 +156,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         val_loader=val_loader, test_loader=test_loader, precision=precision, buffers=buffers, loss=loss,
         ema=make_ema(trainer, model), monitor=Monitor.from_config(trainer, loss.task, loss.monitor),
         lr_scaling=lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch, cfg.scaling.beta2, cfg.scaling.ema),
-        tokenizer=datasets.tokenizer,
+        tokenizer=datasets.tokenizer, base=base,
         noise=make_noise_scale(trainer, model, world, device, precision, plan, loss.elements))
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from accutrain.data import datasets as data
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import factories as models
-from accutrain.models import losses, norms
+from accutrain.models import adapters, losses, norms
 from accutrain.models.checkpointing import enable_activation_checkpointing
 from accutrain.parallel.strategy import Strategy
 
@@ -23,12 +23,14 @@ log = logging.getLogger("accutrain")
 
 
 def build_model(cfg: TrainConfig, datasets: data.Datasets, batches: BatchFormat, world: World, device: torch.device,
-                precision: Precision, strategy: Strategy) -> tuple[nn.Module, Loss, dict[str, dict[str, Any]]]:
+                precision: Precision, strategy: Strategy
+                ) -> tuple[nn.Module, Loss, dict[str, dict[str, Any]], Optional[dict[str, Any]]]:
     """The run's loss, and the model sized to the data, its BatchNorm layers as `batchnorm.convert` asks, activation
     checkpointing, on the device (in CPU memory for FSDP, which moves each rank's shards to the device; SyncBatchNorm
-    comes later, in build, once micro_batch=auto has searched), the loss checked with it on the first samples; and
-    the arguments the run supplied to their factories (the model's num_classes, in_channels, …; the loss's model
-    defaults)."""
+    comes later, in build, once micro_batch=auto has searched), the loss checked with it on the first samples; the
+    arguments the run supplied to their factories (the model's num_classes, in_channels, …; the loss's model
+    defaults); and what the frozen base of an adapted model is (models.adapters.base_record: the checkpoints record
+    it, a resume compares it)."""
     supplied = dict(model=models.data_arguments(cfg.model, datasets.sample_shape, datasets.num_classes,
                                                 datasets.extra))
     node = cfg.model.node(supplied["model"])
@@ -48,6 +50,7 @@ def build_model(cfg: TrainConfig, datasets: data.Datasets, batches: BatchFormat,
                         "data.packing=concat (attention crossing documents)")
     model = models.build_model(node, datasets.sample_shape, datasets.num_classes, datasets.extra, example,
                                logits=loss.output == "logits")
+    base = adapters.base_record(model, node)  # as the factory built it, before trainer.precision casts it
     norms.convert_norm(model, cfg.batchnorm.convert, cfg.batchnorm.groups)
     losses.check(loss, model, first.to(models.weights_device(model)), cfg.data.target)
     if cfg.trainer.activation_checkpointing:
@@ -61,7 +64,7 @@ def build_model(cfg: TrainConfig, datasets: data.Datasets, batches: BatchFormat,
     log.info(f"model {models.model_name(node)}: {models.count_parameters(model):,} parameters, "
              f"on {device}" + (f" × {world.size} ranks" if world.size > 1 else "")
              + (f", precision {precision.name}" if precision.name != "32" else ""))
-    return model, loss, supplied
+    return model, loss, supplied, base
 
 
 def make_strategy(cfg: TrainConfig, world: World, device: torch.device, precision: Precision) -> Strategy:

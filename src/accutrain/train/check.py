@@ -46,24 +46,27 @@ class Check:
     tolerance: float
     reference_on: str  # where the one-batch gradient was computed
     causes: list[str] = field(default_factory=list)
+    parts: dict[str, float] = field(default_factory=dict)  # relative difference of a part of the loss alone
 
     @property
     def faithful(self) -> bool:
-        return self.overall <= self.tolerance
+        return max([self.overall, *self.parts.values()]) <= self.tolerance
 
     def lines(self) -> list[str]:
         out = [f"first window: {self.window} samples in {self.micro_batches} micro-batches of up to "
                f"{self.micro_batch} (precision {self.precision}); one-batch reference computed on "
                f"{self.reference_on}",
                f"{'parameter group':<28} relative difference of the gradient"]
-        out += [f"  {name:<26} {diff:.2e}" for name, diff in self.groups.items()]
-        out.append(f"  {'overall':<26} {self.overall:.2e}")
+        out += [f"  {name:<26} {diff:.2e}" for name, diff in
+                {**self.groups, "overall": self.overall, **{f"{k} alone": v for k, v in self.parts.items()}}.items()]
         if self.faithful:
             out.append(f"verdict: faithful — the accumulated step is the big batch's step (within "
                        f"{self.tolerance:.0e} at precision {self.precision})")
         else:
-            out.append(f"verdict: NOT faithful — the accumulated step differs from the big batch's by "
-                       f"{self.overall:.1e} (tolerance {self.tolerance:.0e} at precision {self.precision})")
+            where, worst = max([("", self.overall), *((f" in its {k}", v) for k, v in self.parts.items())],
+                               key=lambda named: named[1])  # the whole, or a part of the loss alone
+            out.append(f"verdict: NOT faithful — the accumulated step differs from the big batch's by {worst:.1e}"
+                       f"{where} (tolerance {self.tolerance:.0e} at precision {self.precision})")
         if self.causes:
             out.append("causes found:" if not self.faithful else "noted:")
             out += [f"  - {cause}" for cause in self.causes]
@@ -197,6 +200,9 @@ def _compare(parts: Components) -> Check:
     micro_batches = -(-len(whole) // parts.plan.micro_batch)  # every device's, of up to micro_batch samples
     check = Check(len(whole), parts.plan.micro_batch, micro_batches, precision.name, per_group, overall,
                   tolerance(precision.name), where)
+    for name, part in loss.components().items():  # a part the whole's gradient would hide, compared alone
+        alone, big = (_gradient(parts, parts.model, m, whole, device, precision, part) for m in (micro, None))
+        check.parts[name] = relative(list(alone.values()), [big[n] for n in alone])
     check.causes = causes(parts.model, [loss.probe(b) for b in micro], loss.probe(whole),  # one input per row
                           parts.plan.micro_batch * synced_devices(parts), check) + loss.notes(whole)
     return check

@@ -52,6 +52,7 @@ class Components:
     tokenizer: Any = None  # the data's, exported beside the model (trainer.export=hf)
     noise: Optional[NoiseScale] = None  # the gradient noise scale's estimator (trainer.noise_scale)
     test_loader: Optional[Any] = None  # the test split (data.test), every rank its share: evaluated at the end
+    base: Optional[dict[str, Any]] = None  # an adapted model's frozen base (models.adapters.base_record), or None
 
     @property
     def trainer(self) -> TrainerConfig:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -49,6 +49,7 @@ class Outcome:
     early_stop: bool = False  # trainer.early_stopping ended the run before its plan
     tokens: Optional[int] = None  # the loss terms this session trained on, when they are elements (tokens)
     test: Optional[dict[str, Any]] = None  # the test stage's record (train/testing.py), when the run has a test split
+    figures: dict[str, float] = field(default_factory=dict)  # the loss's own figures of the last step (loss.figures)
 
 
 def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callable[..., Optional[Path]],
@@ -117,8 +118,8 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
     update do, without step's wait: precision.found_inf_and_update), the global norm (clipped if asked), and with
     several ranks one all-reduce of the loss, the stop votes and the previous window's time (`window_s`, averaged,
     for stopping.WindowWatch); then the
-    host reads it all as one small tensor (`loss_sum`, this rank's summed loss, included) — the step's only
-    synchronisation."""
+    host reads it all as one small tensor (`loss_sum`, this rank's summed loss, and the loss's own figures of the
+    window included) — the step's only synchronisation."""
     device, scaler = parts.device, parts.precision.scaler
     if scaler:
         scaler.unscale_(parts.optimizer)  # before the norm and clipping
@@ -126,6 +127,7 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
     if scaler:
         found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
         figures.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
+    measured = parts.loss.figures()  # the loss's own figures of the window (every rank's already)
     host = [float(stop.signum is not None), window_s]  # this rank's stop vote and window time
     head = loss_sum.reshape(1).double()
     if parts.world.size > 1:  # every rank's loss, stop vote and window time, summed
@@ -133,19 +135,20 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
         if device.type == "cuda":  # a pageable host-to-device copy would wait for the GPU: a second sync per step
             votes = votes.pin_memory()
         head = dist.all_reduce_sum(torch.cat([head, votes.to(device, non_blocking=True)]), parts.world)
-    values = torch.cat([head, torch.stack(list(figures.values())).double()]).tolist()  # the one wait
+    values = torch.cat([head, torch.stack([*figures.values(), *measured.values()]).double()]).tolist()  # the one wait
     if parts.world.size == 1:
         values[1:1] = host
     read = dict(zip(figures, values[3:]))
     return Settled(loss_sum=values[0], norm=read["norm"], stop=values[1] > 0, overflow=read.get("found_inf", 0.0) > 0,
-                   scale=read.get("scale"), window_s=values[2] / parts.world.size)
+                   scale=read.get("scale"), window_s=values[2] / parts.world.size,
+                   measured=dict(zip(measured, values[3 + len(figures):])))
 
 
 def outcome(record: StepLog, progress: Progress, stopped_by: Optional[str], checkpoint: Optional[Path],
             early_stop: bool = False) -> Outcome:
     record.close()
     return Outcome(progress, record.seconds, record.samples, record.peak, stopped_by, checkpoint, early_stop,
-                   record.tokens if record.elements else None)
+                   record.tokens if record.elements else None, figures=record.measured)
 
 
 def window_terms(parts: Components, window: Window, counts: Optional[TermCounts]) -> int:

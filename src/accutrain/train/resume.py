@@ -15,6 +15,7 @@ from accutrain.config.train import TrainConfig
 from accutrain.config.typed import with_supplied
 from accutrain.store.progress import Progress
 from accutrain.errors import CorruptCheckpoint, UserError
+from accutrain.models import adapters
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint, rng
 from accutrain.store.files import read_jsonl, write_atomic
@@ -36,7 +37,7 @@ def checkpoint_state(parts: Components, p: Progress) -> tuple[dict[str, Any], Op
         format=checkpoint.FORMAT, **tensors, scheduler=parts.scheduler.state_dict(),
         scaler=parts.precision.scaler.state_dict() if parts.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=parts.plan.record(), config=with_supplied(parts.run, parts.supplied),
-        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric,
+        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric, base=parts.base,
         noise_scale=parts.noise.state_dict() if parts.noise is not None else None,
         stream=parts.sampler.state_dict(p.epoch, p.window),  # a stream's position (None for a map-style set)
     ), shards
@@ -111,6 +112,7 @@ def restore(parts: Components, path: Path) -> Progress:
                         "resuming needs the same training set")
     now = with_supplied(parts.run, parts.supplied)  # as config.yaml and the checkpoint record it
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, now)
+    adapters.refuse_another_base(path, state.get("base"), parts.base)
     say_another_precision(path, state.get("config") or {}, now)
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in parts.optimizer.param_groups]
     fresh_base = list(getattr(parts.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from accutrain.core import compiled
@@ -33,6 +33,7 @@ class Settled:
     overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
     scale: Optional[float] = None  # the GradScaler's scale for the next window
     window_s: float = 0.0  # the previous window's time, averaged over the ranks (for stopping.WindowWatch)
+    measured: dict[str, float] = field(default_factory=dict)  # the loss's own figures of the window (loss.figures)
 
 
 class StepLog:
@@ -44,6 +45,7 @@ class StepLog:
         self.compiling = compiled.WATCH if compiled.is_compiled(parts.model) else None
         self.graphs_said, self.first_step = 0, p.step + 1
         self.tokens = 0  # this session's loss terms, when they are elements
+        self.measured: dict[str, float] = {}  # the loss's own figures of the last step (for the summary)
 
     def start(self) -> None:
         """A window begins: its time and its peak memory count from here."""
@@ -76,6 +78,9 @@ class StepLog:
         record.update(scaled_hparams(parts, window.batch, skipped))
         if parts.noise is not None:
             record.update(parts.noise.record)
+        if w.measured:  # the loss's own figures (loss=moe: the router's load per layer)
+            record.update(w.measured)
+            self.measured = w.measured
         if parts.strategy.comm is not None:
             record["grad_syncs"], record["comm_bytes"] = parts.strategy.comm.take()
         if skipped:

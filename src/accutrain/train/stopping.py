@@ -51,6 +51,7 @@ class WindowWatch:
         self.batchnorms = [m for _, m in norms.batchnorm_layers(parts.model, training_only=True)
                            if m.track_running_stats]
         self.began, self.decided = 0.0, False
+        self.first: Optional[tuple[int, float]] = None  # this window's first vote: its micro-batch and time
         self.last_s, self.previous_total = 0.0, 0  # the previous window's time on this rank, and its micro-batches
         self.pace: Optional[float] = None  # seconds per micro-batch, the same on every rank (None: not known yet)
         self.next_vote: Optional[int] = 1  # the micro-batch at which several ranks vote next (None: not this window)
@@ -61,7 +62,7 @@ class WindowWatch:
         """A window of `total` micro-batches (per rank) begins: decide whether a stop may abandon it, and where the
         ranks vote in it; if it may, remember what its forward passes may move — the RNG states (NumPy's copy alone
         takes 0.1-0.7 ms, so not for a window that a stop never abandons) and BatchNorm's running statistics."""
-        self.began, self.decided = time.perf_counter(), False
+        self.began, self.decided, self.first = time.perf_counter(), False, None
         if self.pace is None:
             self.next_vote = 1  # the first window: from its first micro-batch (which gives the pace)
         elif self.pace * total <= FINISH_WITHIN * self.grace:
@@ -100,11 +101,21 @@ class WindowWatch:
         when it would not, say that the window finishes, and ask no more."""
         if self.decided or self.next_vote is None or done < self.next_vote:
             return
+        now = self.elapsed()
+        self.first = self.first or (done, now)
         several, stopping = self.parts.world.size > 1, self.stop.signum is not None
         if not several and not stopping:
             return
-        pace = self.elapsed() / done
-        rest = pace * (total - done)
+        # The loss reads a micro-batch ahead (core.step.micro_steps): of the `done` handed out, done - 1 have run.
+        # The pace is that of those run since this window's first vote (at the first, the pace every rank agreed on
+        # before): a vote's time over its own count says nothing early in a window (at the first, nothing ran).
+        first, at = self.first
+        ran = done - 1
+        pace = (now - at) / (done - first) if done > first else self.pace
+        if pace is None:  # the first vote of the first window (on every rank alike): the next one judges
+            self.next_vote = done + 1
+            return
+        rest = pace * (total - ran)
         votes = dist.vote_sum(torch.tensor([float(stopping), float(rest > FINISH_WITHIN * self.grace), pace]),
                               self.parts.world).tolist()
         if several:
@@ -114,9 +125,9 @@ class WindowWatch:
             return
         self.decided = True
         if votes[1] > 0:
-            raise Abandoned(done, total, rest)
+            raise Abandoned(ran, total, rest)
         if self.parts.world.main:
-            log.warning(f"{self.stop.name or 'stop'}: finishing the window ({total - done} of {total} micro-batches "
+            log.warning(f"{self.stop.name or 'stop'}: finishing the window ({total - ran} of {total} micro-batches "
                         f"left, about {rest:.1f} s, within trainer.stop_grace_s={self.grace:g}), then checkpointing")
 
     def finished(self, step: int) -> None:
