@@ -15,12 +15,15 @@ CONTRASTIVE = ["debug=fast", "loss=contrastive", "augment.views=2", "augment=cro
 FSDP = [*TINY, "strategy=fsdp"]
 LM = ["debug=fast", "model=hf_causal_lm", "+model.config.model_type=gpt2"]
 BUDGET = ["micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1000"]
+TOKENS = ["micro_tokens=auto", "global_batch=32", "trainer.memory_budget_mb=1000"]
+FREE = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "data=text", "data.train=lm.txt", "data.padding=free"]
 STREAM = ["data=hf", "data.train=chat.jsonl", "data.streaming=true", "data.val=val.jsonl", "trainer.max_steps=10"]
 
 # One command per row of the table: (the row's option, the other key as the message names it) → the overrides.
 ROWS = {
     ("loss=contrastive", "strategy=fsdp"): [*CONTRASTIVE, "strategy=fsdp"],
     ("loss=contrastive", "micro_batch=auto"): [*CONTRASTIVE, *BUDGET],
+    ("loss=contrastive", "micro_tokens=auto"): [*CONTRASTIVE, *TOKENS],
     ("loss=contrastive", "trainer.accum_dtype / trainer.offload_grads"): [*CONTRASTIVE, "trainer.offload_grads=true"],
     ("loss=contrastive", "augment.mixup_alpha / cutmix_alpha"): [*CONTRASTIVE, "augment.mixup_alpha=0.2"],
     ("loss=contrastive", "trainer.noise_scale=true"): [*CONTRASTIVE, "trainer.noise_scale=true", "accum=2"],
@@ -29,6 +32,7 @@ ROWS = {
     ("augment.views=2", "augment=none (no random crop, flip, policy or erasing)"):
         ["debug=fast", "loss=contrastive", "augment.views=2"],
     ("strategy=fsdp", "micro_batch=auto"): [*FSDP, *BUDGET],
+    ("strategy=fsdp", "micro_tokens=auto"): [*FSDP, *TOKENS],
     ("strategy=fsdp", "trainer.offload_grads=true"): [*FSDP, "trainer.offload_grads=true"],
     ("strategy=fsdp", "trainer.accum_dtype=float32"): [*FSDP, "trainer.accum_dtype=float32"],
     ("strategy=fsdp", "trainer.precision=16-mixed"): [*FSDP, "trainer.precision=16-mixed"],
@@ -46,8 +50,13 @@ ROWS = {
     ("data.streaming=true", "data.val=null"): [*STREAM, "data.val=null"],
     ("data.streaming=true", "data.packing=True"): [*STREAM, "data.packing=true"],
     ("data.streaming=true", "micro_batch=auto"): [*STREAM, *BUDGET],
+    ("data.streaming=true", "micro_tokens=auto"): [*STREAM, *TOKENS],
     ("data.streaming=true", "batch_schedule"): [*STREAM, "batch_schedule=ramp"],
     ("data.streaming=true", "loader.num_workers=2"): [*STREAM, "loader.num_workers=2"],
+    ("data.padding=free", "loss.normalize=sequences"): [*FREE, "loss.normalize=sequences"],
+    ("data.padding=free", "loss=contrastive"): [*FREE, "loss=contrastive"],
+    ("data.padding=free", "model.neftune_alpha=5.0"): [*FREE, "model.neftune_alpha=5"],
+    ("model.kernels=liger", "trainer.device=cpu"): [*LM, "model.kernels=liger", "trainer.device=cpu"],
     ("loss=moe", "model._target_=accutrain.models.mlp"): ["debug=fast", "loss=moe"],
     ("loss=moe", "strategy=fsdp"): [*LM, "loss=moe", "strategy=fsdp"],
     ("loss.router_aux=model", "data.packing=true"): ["model=hf_causal_lm", "+model.config.model_type=mixtral",

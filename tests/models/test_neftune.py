@@ -21,7 +21,7 @@ def test_a_samples_noise_is_its_own_whatever_its_batch():
     from accutrain.models.hf import causal_lm
 
     model = causal_lm(50, config=dict(model_type="gpt2", n_layer=1, n_head=2, n_embd=16, n_positions=32), dropout=0,
-                      neftune_alpha=5.0)
+                      neftune_alpha=5.0, logits="full")  # the logits themselves compared
     assert model.sample_seeds
     ids = torch.randint(50, (3, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from accutrain.core.batches import PadCollate
+from accutrain.core.chunked_ce import logits_of
 from accutrain.core.loss import SummedLoss
 from accutrain.data.packing import pack, packing_mode
 from accutrain.data.text import as_items
@@ -49,14 +50,15 @@ def test_a_packed_block_gives_each_document_its_logits_and_loss_alone(kind, atte
     batch = {key: value.to(device) for key, value in batch.items()}  # on a GPU: sdpa's fused kernels take the mask
     labels = batch.pop("labels")
     with torch.no_grad():
-        packed = model(**batch)  # (batch, vocabulary, length)
+        output = model(**batch)  # model.logits=chunked: hidden states and head (a Projection)
+        packed = logits_of(output)  # (batch, vocabulary, length)
         loss = SummedLoss(elements=True, shift_labels=True)
         alone_loss, alone_terms = 0.0, 0
         for row, block in enumerate(blocks):
             start = 0
             for doc in (DOCS[:3] if row == 0 else DOCS[3:]):
                 ids = torch.tensor([doc], device=device)
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+                logits = logits_of(model(input_ids=ids, attention_mask=torch.ones_like(ids)))
                 torch.testing.assert_close(packed[row, :, start : start + len(doc)], logits[0], atol=1e-5, rtol=1e-5)
                 alone_loss += float(loss(logits, ids))
                 alone_terms += loss.terms([(None, ids)])
@@ -64,8 +66,9 @@ def test_a_packed_block_gives_each_document_its_logits_and_loss_alone(kind, atte
         # the loss of the packed batch: each document's alone, nothing predicted across a boundary
         assert loss.terms([(None, labels)]) == alone_terms
         torch.testing.assert_close(float(loss(packed, labels)), alone_loss, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(float(loss(output, labels)), alone_loss, atol=1e-4, rtol=1e-5)  # chunked
         # concat-style blocks (no document ids) let the second document attend to the first: different logits
-        plain = model(input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1])
+        plain = logits_of(model(input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1]))
         assert not torch.allclose(plain[0, :, 5:8], packed[0, :, 5:8], atol=1e-4)
 
 

@@ -1,6 +1,7 @@
-"""micro_tokens=N: each window (fixed first, by samples) cut into micro-batches of at most N padded tokens, longest
+"""micro_tokens=N (and auto): each window (fixed first, by samples) cut into micro-batches of at most N padded tokens, longest
 samples first; the same windows, so the same weights as micro_batch × accum, on one device and on two."""
 import random
+import re
 
 import pytest
 import torch
@@ -128,3 +129,61 @@ def test_fixed_width_sequences_are_cut_as_micro_batch_budget_over_width_with_no_
     assert [list(m) for m in window] == [list(m) for m in next(plain.windows())]  # equal lengths keep their order
     assert [len(m) for m in window] == [3] * 7 and budget.padding(window[0].window) is None
 
+
+
+TOKEN_OOM_MODEL = '''
+import torch
+import torch.nn as nn
+
+class Net(nn.Module):
+    """A tiny language model whose training forward runs out of memory above `limit` tokens (rows × length)."""
+    def __init__(self, num_classes, limit=200):
+        super().__init__()
+        self.embed, self.head, self.limit = nn.Embedding(num_classes, 16), nn.Linear(16, num_classes), limit
+
+    def forward(self, input_ids, attention_mask=None):
+        if self.training and input_ids.numel() > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated: {input_ids.numel()} > {self.limit})")
+        return self.head(torch.tanh(self.embed(input_ids))).transpose(1, 2)
+'''
+
+
+def test_search_doubles_then_bisects_to_the_largest_multiple_that_fits():
+    from accutrain.train.auto_tokens import search_multiple
+
+    tried = []
+
+    def fits(k):
+        tried.append(k)
+        return k <= 11, 0.0
+
+    assert search_multiple(40, fits)[0] == 11 and tried == [1, 2, 4, 8, 16, 12, 10, 11]
+    assert search_multiple(5, lambda k: (True, 0.0))[0] == 5  # the whole window fits: no larger budget helps
+    with pytest.raises(UserError) as info:
+        search_multiple(5, lambda k: (False, 0.0))
+    assert_one_line_user_error(info.value, "micro_tokens=auto: not even the longest training sample alone fits")
+
+
+@pytest.mark.slow
+def test_micro_tokens_auto_finds_the_largest_budget_that_fits_and_keeps_the_global_batch(tmp_path, monkeypatch):
+    (tmp_path / "tokmodel.py").write_text(TOKEN_OOM_MODEL)
+    monkeypatch.syspath_prepend(tmp_path)
+    args = [a for a in lm_args(tmp_path) if not a.startswith(("model.", "+model."))]
+    args = [a for a in args if a != "model=hf_causal_lm"] + ["model=custom", "model._target_=tokmodel.Net",
+                                                             "loss.shift_labels=true", "loss.normalize=tokens"]
+    longest = 55  # the longest line of lm_args' data, in byte tokens with its end
+    auto, log = train_here(tmp_path, "runs/auto", *args, "micro_tokens=auto", "global_batch=16",
+                           "trainer.memory_budget_mb=1000000")
+    assert re.search(rf"micro_tokens=auto: trial steps {longest}: fits \(\d+ MiB\); {2 * longest}: fits \(\d+ MiB\); "
+                     rf"{4 * longest}: does not fit; {3 * longest}: fits", log)  # 3 rows of 55 = 165 ≤ 200 < 220
+    assert f"cut into micro-batches of at most {3 * longest} padded tokens" in log
+    assert "effective batch 16" in log
+    fixed, _ = train_here(tmp_path, "fixed", *args, f"micro_tokens={3 * longest}", "global_batch=16")
+    assert_identical(final_weights(auto), final_weights(fixed))  # the trials left no trace
+    steps, _ = train_here(tmp_path, "steps", *args, "micro_batch=4", "accum=4", "+model.limit=100000")
+    for key, value in final_weights(steps).items():
+        torch.testing.assert_close(value, final_weights(auto)[key], rtol=1e-5, atol=1e-6)
+    assert [r["samples"] for r in read_metrics(auto)[0]] == [r["samples"] for r in read_metrics(steps)[0]]
+    _, again = train_here(tmp_path, "runs/again", *args, "micro_tokens=auto", "global_batch=16",
+                          "trainer.memory_budget_mb=1000000")
+    assert f"micro_tokens=auto: {3 * longest}, cached in" in again and "trial steps" not in again

@@ -63,6 +63,7 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.strategy.name == "fsdp", "strategy=fsdp", "use strategy=ddp"),
         Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N (or micro_tokens=N for text "
             "pairs)"),
+        Row(lambda c: c.micro_tokens == "auto", "micro_tokens=auto", "give micro_tokens=N"),
         Row(lambda c: c.trainer.accum_dtype is not None or c.trainer.offload_grads,
             "trainer.accum_dtype / trainer.offload_grads", "leave them unset"),
         Row(lambda c: c.augment.mixup_alpha > 0 or c.augment.cutmix_alpha > 0, "augment.mixup_alpha / cutmix_alpha",
@@ -83,6 +84,8 @@ TABLE: tuple[Entry, ...] = (
     Entry("strategy=fsdp", lambda c: c.strategy.name == "fsdp", (
         Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "a trial step that runs out of memory on one "
             "rank would leave the others waiting in FSDP's collectives; give micro_batch=N"),
+        Row(lambda c: c.micro_tokens == "auto", "micro_tokens=auto", "a trial step that runs out of memory on one "
+            "rank would leave the others waiting in FSDP's collectives; give micro_tokens=N"),
         Row(lambda c: c.trainer.offload_grads, "trainer.offload_grads=true", "use strategy.cpu_offload=true, which "
             "keeps the sharded weights, gradients and optimizer state in host memory"),
         Row(lambda c: c.trainer.accum_dtype is not None, lambda c: f"trainer.accum_dtype={c.trainer.accum_dtype}",
@@ -127,10 +130,26 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.data.get("packing") not in (False, None), lambda c: f"data.packing={c.data.get('packing')}",
             "packing lays its blocks out over the whole training set; set data.packing=false"),
         Row(lambda c: c.micro_batch == "auto", "micro_batch=auto", "give micro_batch=N"),
+        Row(lambda c: c.micro_tokens == "auto", "micro_tokens=auto", "a stream's longest samples are not known before "
+            "it is read; give micro_tokens=N"),
         Row(lambda c: c.batch_schedule is not None, "batch_schedule", "a schedule is laid out over the training "
             "set's size; use a fixed batch (micro_batch × accum)"),
         Row(lambda c: c.loader.num_workers not in ("auto", 0), lambda c: f"loader.num_workers={c.loader.num_workers}",
             "the stream is read, and its windows cut, in the training process; leave loader.num_workers=auto"),
+    )),
+    Entry("data.padding=free", lambda c: c.data.get("padding") == "free", (
+        Row(lambda c: getattr(c.loss.get("normalize"), "value", None) == "sequences", "loss.normalize=sequences",
+            "a padding-free row holds several samples end to end, and the loss sees one row; use "
+            "data.padding=longest"),
+        Row(lambda c: c.loss.target == CONTRASTIVE, "loss=contrastive", "text pairs embed each text in a row of its "
+            "own; use data.padding=longest"),
+        Row(lambda c: c.model.get("neftune_alpha") is not None,
+            lambda c: f"model.neftune_alpha={c.model.get('neftune_alpha')}", "NEFTune draws each sample's noise "
+            "over its own row; use data.padding=longest"),
+    )),
+    Entry("model.kernels=liger", lambda c: c.model.get("kernels") == "liger", (
+        Row(lambda c: c.trainer.device == "cpu", "trainer.device=cpu", "Liger Kernel's Triton kernels need a CUDA "
+            "GPU: drop model.kernels (model.logits=chunked keeps the logits from being held whole on any device)"),
     )),
     Entry("loss=moe", lambda c: c.loss.target == MOE, (
         Row(lambda c: c.model.target.startswith("accutrain.models.") and c.model.target != "accutrain.models.hf."

@@ -91,6 +91,8 @@ class HFModel(ModelConfig):
 class HFCausalLMModel(HFModel):
     _target_: str = "accutrain.models.hf.causal_lm"
     neftune_alpha: Optional[float] = None  # NEFTune: noise on the input embeddings in training, drawn per sample
+    logits: str = "chunked"  # chunked: the loss takes hidden states and head, a chunk of tokens at a time | full
+    kernels: Optional[str] = None  # liger: Liger Kernel's RMSNorm, RoPE, SwiGLU and fused cross-entropy (CUDA)
 
 
 @dataclass

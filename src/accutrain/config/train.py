@@ -193,7 +193,7 @@ class TrainConfig:
     accum: Any = None  # null: derived from global_batch, else 1
     devices: Any = 1
     global_batch: Any = None
-    micro_tokens: Any = None  # null: micro-batches of micro_batch samples; N: cut each window by ≤ N padded tokens
+    micro_tokens: Any = None  # null: micro_batch samples; N: cut each window by ≤ N tokens; auto: the largest that fits
     seed: int = 0
     resume: Optional[str] = None  # a checkpoint path, or auto: the newest good one in this run directory
     batch_schedule: Optional[BatchScheduleConfig] = None  # the effective batch by samples seen; null: fixed

@@ -48,7 +48,7 @@ def validate(cfg: DictConfig) -> None:
     positive_int(cfg, "global_batch", allow=(None,))
     positive_int(cfg, "devices", allow=("auto",))
     micro_tokens = cfg.get("micro_tokens")
-    positive_int(cfg, "micro_tokens", allow=(None,))
+    positive_int(cfg, "micro_tokens", allow=(None, "auto"))
     t = cfg.trainer
     if t.epochs is None and t.max_steps is None:
         raise UserError("set trainer.epochs or trainer.max_steps (optimizer steps): both are null")

@@ -4,7 +4,7 @@ Every part of accutrain that touches a batch goes through `Batch`: moving it to 
 counting its samples, cutting it (the out-of-memory re-split), and the stand-in a rank forwards when its share
 of a short window is empty. `BatchFormat` turns a list of dataset items into a Batch (the data's collate, then
 `loader.input_keys` / `loader.target_key` for mapping items); `PadCollate` pads variable-length items to the
-micro-batch's own longest (dynamic padding).
+micro-batch's own longest (dynamic padding), `FlatCollate` lays them end to end in one row (padding-free).
 """
 from __future__ import annotations
 
@@ -26,20 +26,24 @@ Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
 @dataclass(frozen=True)
 class Batch:
     """One micro-batch. `stand_in`: a real but borrowed batch a rank forwards in place of an empty share, so that
-    it takes part in the window's gradient all-reduce; it adds nothing to the gradient, the loss or the count."""
+    it takes part in the window's gradient all-reduce; it adds nothing to the gradient, the loss or the count.
+    `spans`: a padding-free batch's samples, laid end to end in one row (FlatCollate), by their lengths."""
 
     inputs: Inputs
     target: torch.Tensor
     stand_in: bool = False
+    spans: Optional[tuple[int, ...]] = None
 
     def __len__(self) -> int:
-        return 0 if self.stand_in else self.target.shape[0]  # len(tensor) is Python code in torch
+        if self.stand_in:
+            return 0
+        return self.target.shape[0] if self.spans is None else len(self.spans)  # len(tensor) is Python code
 
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         """The same batch with `fn` applied to every tensor (inputs and target)."""
         inputs = ({k: fn(v) for k, v in self.inputs.items()} if isinstance(self.inputs, Mapping)
                   else fn(self.inputs) if self.inputs is not None else None)
-        return Batch(inputs, fn(self.target), self.stand_in)
+        return Batch(inputs, fn(self.target), self.stand_in, self.spans)
 
     def to(self, device: torch.device) -> Batch:
         return self.apply(lambda t: t.to(device, non_blocking=True))
@@ -55,15 +59,24 @@ class Batch:
 
     def split(self, parts: int) -> list[Batch]:
         """Cut into `parts` batches of consecutive samples (the last may be shorter); a stand-in stays whole."""
-        n = len(self.target)
+        n = len(self.target) if self.spans is None else len(self.spans)
         if self.stand_in or n <= 1 or parts == 1:
             return [self]
         size = -(-n // parts)
-        return [self.apply(lambda t, i=i: t[i : i + size]) for i in range(0, n, size)]
+        return [self.samples(i, i + size) for i in range(0, n, size)]
+
+    def samples(self, first: int, end: int) -> Batch:
+        """Samples first … end - 1 (of a padding-free batch: their columns of its one row)."""
+        if self.spans is None:
+            return self.apply(lambda t: t[first:end])
+        start, stop = sum(self.spans[:first]), sum(self.spans[:end])
+        return dataclasses.replace(self.apply(lambda t: t[:, start:stop]), spans=self.spans[first:end])
 
     def head(self, n: int) -> Batch:
         """The first n samples (zero samples: the empty batch of this layout)."""
-        return dataclasses.replace(self.apply(lambda t: t[:n]), stand_in=False)
+        if n == 0:
+            return dataclasses.replace(self.apply(lambda t: t[:0]), stand_in=False, spans=None)
+        return dataclasses.replace(self.samples(0, n), stand_in=False)
 
     def tensors(self) -> list[torch.Tensor]:
         """The input tensors, in order."""
@@ -137,6 +150,36 @@ class PadCollate:
                 padded[row, : len(t)] = t
             out[key] = padded
         return out
+
+
+@dataclass(frozen=True)
+class FlatCollate:
+    """data.padding=free: a micro-batch's token items laid end to end in one row of real tokens, no padding — the
+    Batch's inputs `input_ids` and `document_ids` (each item a document, or a packed block's documents, numbered
+    along the row: the model gives each its own positions and attention, models/packed.py), its target the labels
+    with every document's first set to `ignore_index`, so the shifted loss never predicts a document's first token
+    from the one before (a document alone never predicts its first token either): every document's terms and logits
+    are those it has padded in a row of its own. `spans` keeps each item's length (the samples' count, a re-split)."""
+
+    ignore_index: int = -100
+
+    def __call__(self, items: list[Mapping[str, torch.Tensor]]) -> Batch:
+        ids, labels, documents, spans, numbered = [], [], [], [], 0
+        for item in items:
+            length = len(item["input_ids"])
+            spans.append(length)
+            if not length:
+                continue
+            own = item.get("document_ids")
+            own = own[:length] if own is not None else torch.ones(length, dtype=torch.int64)
+            label = item["labels"][:length].clone()
+            label[torch.cat([torch.ones(1, dtype=torch.bool), own[1:] != own[:-1]])] = self.ignore_index
+            ids.append(item["input_ids"][:length])
+            labels.append(label)
+            documents.append(own - own[0] + 1 + numbered)
+            numbered = int(documents[-1][-1])
+        return Batch({"input_ids": torch.cat(ids)[None], "document_ids": torch.cat(documents)[None]},
+                     torch.cat(labels)[None], spans=tuple(spans))
 
 
 @contextmanager

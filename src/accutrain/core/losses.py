@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.chunked_ce import logits_of
 from accutrain.core.loss import OnePass, SummedLoss, make_loss
 from accutrain.core.options import Normalize
 from accutrain.errors import UserError
@@ -67,7 +68,8 @@ class PerTermLoss(OnePass):
 
     def losses(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The per-term losses, float32 at least, those of ignored elements zero; one clear line when the loss is
-        not per term (a scalar, or not one row per sample)."""
+        not per term (a scalar, or not one row per sample). A Projection's logits are computed whole for it."""
+        output = logits_of(output)
         if self.task != "custom" and output.shape != target.shape:
             if output.numel() != target.numel():
                 raise UserError(f"loss={self.name} compares the model's output of shape {tuple(output.shape)} "
@@ -111,7 +113,7 @@ class PerTermLoss(OnePass):
         if self.task == "custom":
             return torch.stack(head)
         counted = self.counted(labels)
-        output = output.reshape(labels.shape).double()
+        output = logits_of(output).reshape(labels.shape).double()
         if self.task == "regression":  # Σ|error|, Σ error², elements
             error = (output - labels.double()).masked_fill(~counted, 0.0)
             return torch.stack([*head, error.abs().sum(), error.square().sum(), counted.sum().double()])

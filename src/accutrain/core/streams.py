@@ -90,9 +90,9 @@ class StreamSampler:
     streamed = True
 
     def __init__(self, plan: BatchPlan, source: Source, seed: int, buffer_size: int, rank: int = 0, world: int = 1,
-                 padded_to: Optional[int] = None) -> None:
+                 padded_to: Optional[int] = None, free: bool = False) -> None:
         self.plan, self.source, self.seed, self.buffer_size = plan, source, seed, buffer_size
-        self.rank, self.world, self.padded_to = rank, world, padded_to
+        self.rank, self.world, self.padded_to, self.free = rank, world, padded_to, free
         self.epoch, self.start = 0, 0
         self.restored: Optional[dict] = None  # a checkpoint's note, for the window it names
         self.notes: dict[tuple[int, int], dict] = {}  # (epoch, window) → where the stream stood before it
@@ -100,7 +100,8 @@ class StreamSampler:
 
     def alone(self) -> StreamSampler:
         """The same stream as rank 0 of 1 (every device's micro-batches: accutrain-check)."""
-        return StreamSampler(self.plan, self.source, self.seed, self.buffer_size, padded_to=self.padded_to)
+        return StreamSampler(self.plan, self.source, self.seed, self.buffer_size, padded_to=self.padded_to,
+                             free=self.free)
 
     def set_epoch(self, epoch: int, start_window: int = 0) -> None:
         """Select the pass (and the window to begin at, for resuming) that the next iteration visits."""
@@ -158,7 +159,7 @@ class StreamSampler:
         if self.plan.micro_tokens is None:
             return None
         lengths = torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64)
-        return TokenLengths(lengths, self.padded_to, self.plan.micro_tokens)
+        return TokenLengths(lengths, self.padded_to, self.plan.micro_tokens, free=self.free)
 
     def share(self, positions: list[int], samples: list[Any]) -> list[list[tuple[int, Any]]]:
         """This rank's micro-batches of a window: consecutive micro_batch samples, or micro_tokens' cut of the whole
@@ -187,7 +188,7 @@ class StreamSampler:
         """(tokens, padded tokens) of the whole window's micro-batches, every rank's."""
         positions, samples = self.cut_windows[(window.epoch, window.index)]
         lengths = TokenLengths(torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.int64),
-                               self.padded_to, self.plan.micro_tokens)
+                               self.padded_to, self.plan.micro_tokens, free=self.free)
         if self.plan.micro_tokens is not None:
             return lengths.padding(lengths.cut(range(len(samples))))
         size = self.plan.micro_batch

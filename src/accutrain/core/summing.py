@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.chunked_ce import Projection, linear_cross_entropy_sums, summed_linear_cross_entropy
 
 
-def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+def summed_cross_entropy(logits: torch.Tensor | Projection, target: torch.Tensor, ignore_index: int = -100,
                          label_smoothing: float = 0.0, per_sequence: bool = False) -> torch.Tensor:
     """Σ_i loss_i over the micro-batch: the reduction is a sum so that the window, not the micro-batch, divides.
     Targets are class indices per sample (logits N×C) or per element (logits N×C×d…, targets N×d…), whose
@@ -18,7 +19,14 @@ def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_inde
     label_smoothing ε makes each target (1 - ε) × itself + ε/C on every class, per term: the sum stays a sum of
     per-term losses. Half-precision logits are promoted: the loss is float32 at least. `per_sequence`: Σ_s of
     sample s's mean over its elements whose target is not ignore_index (0 for a sample without one) — each
-    sample's count is its own, so the sum is the same however the samples are grouped."""
+    sample's count is its own, so the sum is the same however the samples are grouped. A Projection (hidden states
+    and a linear head) gives the same sum without its full logits (core/chunked_ce.py)."""
+    if isinstance(logits, Projection):
+        weights = None
+        if per_sequence:
+            counted = (target != ignore_index).sum(1, keepdim=True).clamp(min=1)
+            weights = (1.0 / counted.to(torch.promote_types(logits.hidden.dtype, torch.float32))).expand(target.shape)
+        return summed_linear_cross_entropy(logits, target, ignore_index, label_smoothing, weights)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if not per_sequence:
@@ -31,9 +39,12 @@ def summed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_inde
     return (per_element.sum(dims) / counted).sum()
 
 
-def cross_entropy_sums(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy_sums(logits: torch.Tensor | Projection, target: torch.Tensor, ignore_index: int = -100
+                       ) -> torch.Tensor:
     """float64 [plain summed loss (no smoothing), correct predictions, terms] of one evaluation batch of targets as
     the loss compares them (after any shift)."""
+    if isinstance(logits, Projection):
+        return linear_cross_entropy_sums(logits, target, ignore_index)
     counted = target != ignore_index
     return torch.stack([summed_cross_entropy(logits, target, ignore_index).double(),
                         ((logits.argmax(1) == target) & counted).sum().double(), counted.sum().double()])

@@ -103,6 +103,9 @@ def pair_items(records: Sequence[dict[str, Any]], columns: PairColumns, tok: Any
 def pair_datasets(splits: list[Tokenized], tok: Any, max_length: int, padding: str, description: str) -> Datasets:
     """Pair items as Datasets: each text role padded per micro-batch (or to max_length) with the tokenizer's
     padding token; the tokenizer's vocabulary and padding token offered to the model (a random initialisation)."""
+    if padding == "free":
+        raise UserError("data.padding=free lays a micro-batch's samples end to end in one row; text pairs embed each "
+                        "text alone (an embedding per row): use data.padding=longest")
     pad = pad_id(tok)
     roles = [key.removesuffix(".input_ids") for key in splits[0][0] if key.endswith(".input_ids")]
     collate = PadCollate({f"{role}.input_ids": pad for role in roles}, default=0,

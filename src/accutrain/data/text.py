@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from accutrain.core.batches import PadCollate
+from accutrain.core.batches import FlatCollate, PadCollate
 from accutrain.data.datasets import Datasets
 from accutrain.data.splits import Tokenized
 from accutrain.data.packing import describe, pack, packing_mode, packing_name
@@ -231,18 +231,25 @@ def check_lengths(max_length: int, padding: str) -> None:
     """data.max_length and data.padding, or one line."""
     if max_length < 2:
         raise UserError(f"data.max_length={max_length} is not valid: expected at least 2 tokens")
-    if padding not in ("longest", "max_length"):
-        raise UserError(f"data.padding={padding} is not valid: expected longest or max_length")
+    if padding not in ("longest", "max_length", "free"):
+        raise UserError(f"data.padding={padding} is not valid: expected longest, max_length or free (padding-free: "
+                        "a micro-batch's samples end to end in one row)")
 
 
 def tokenized_datasets(splits: list[Tokenized], tok: Any, class_names: Optional[list[str]], max_length: int,
                        padding: str, ignore_index: int, description: str) -> Datasets:
     """The training and held-out items as Datasets: padded per micro-batch (or to max_length) with the tokenizer's
-    padding token, language modelling over its vocabulary, or classes when `class_names` are given."""
+    padding token (`free`: end to end in one row, core.batches.FlatCollate), language modelling over its
+    vocabulary, or classes when `class_names` are given."""
     pad = pad_id(tok)
     collate = PadCollate(dict(input_ids=pad, attention_mask=0, labels=ignore_index, document_ids=0),
                          length=max_length if padding == "max_length" else None)
     lm = class_names is None
+    if padding == "free":
+        if not lm:
+            raise UserError("data.padding=free lays a micro-batch's samples end to end in one row, which a sequence "
+                            "classifier (one label per sample) cannot take: use data.padding=longest")
+        collate = FlatCollate(ignore_index)
     return Datasets(splits[0], splits[1], len(tok) if lm else len(class_names), (max_length,), description,
                     test=splits[2] if len(splits) > 2 else None,
                     extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,

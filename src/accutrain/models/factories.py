@@ -10,6 +10,7 @@ from torch import nn
 
 from accutrain.config.targets import instantiate, load_target, run_arguments
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.chunked_ce import Projection
 from accutrain.errors import UserError, one_line
 
 log = logging.getLogger("accutrain")
@@ -216,6 +217,8 @@ def check_output(model: nn.Module, example: Batch, num_classes: int, name: str, 
         raise UserError(f"the model {name} raised {one_line(e)} in forward, on a batch of {len(example.target)} "
                         f"{shape} inputs") from e
     y, n = example.target, len(example.target)
+    if isinstance(out, Projection):  # a causal LM's hidden states and head: its logits' shape, never computed
+        out = torch.empty(out.shape, device="meta")
     if not isinstance(out, torch.Tensor):
         hint = (": a Hugging Face ModelOutput — use model=hf_causal_lm or model=hf_seq_cls, or return its .logits "
                 "from your forward" if hasattr(out, "logits") else "")

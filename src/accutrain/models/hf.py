@@ -1,6 +1,6 @@
 """`model=hf_causal_lm` and `model=hf_seq_cls`: Hugging Face transformers models (the `hf` extra), pretrained or
 randomly initialised from a config, called with the batch's mapping (input_ids, attention_mask) and returning
-their logits in cross_entropy's layout; accutrain computes the summed loss itself (the model's own `loss` is a
+their logits in cross_entropy's layout (a causal LM: its hidden states and head, models/heads.py); accutrain computes the summed loss itself (the model's own `loss` is a
 mean per micro-batch). transformers is imported here only, when one of these models is asked for.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from accutrain.errors import UserError
-from accutrain.models import adapters, moe, neftune, packed
+from accutrain.models import adapters, empty_rows, heads, hf_keys, moe, neftune, packed
+from accutrain.models import kernels as kernels_module
 from accutrain.models.adapters import first_line
 from accutrain.models.hf_dropout import set_dropout_config, set_dropout_modules
 
@@ -51,9 +52,9 @@ class HFAdapter(nn.Module):
         self.router = moe.router_of(base)  # a mixture of experts' router outputs; None: dense
         self.routing = self.router.routing if self.router is not None else None  # what loss=moe reads
         if self.adapted:
-            self.register_state_dict_post_hook(_adapter_only)  # before the keys lose their "model." prefix
-        self.register_state_dict_post_hook(_plain_keys)
-        self.register_load_state_dict_pre_hook(_inner_keys)
+            self.register_state_dict_post_hook(hf_keys.adapter_only)  # before the keys lose their "model." prefix
+        self.register_state_dict_post_hook(hf_keys.plain_keys)
+        self.register_load_state_dict_pre_hook(hf_keys.inner_keys)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """An adapted model loads exactly its trained entries (another model's, or a full model's, are refused as
@@ -69,7 +70,13 @@ class HFAdapter(nn.Module):
         return super().load_state_dict(state_dict, strict=False, assign=assign)
 
     def forward(self, aux: tuple[str, ...] = (), **inputs: torch.Tensor) -> Any:
-        """The logits; with `aux` (e.g. ("router_logits",)), (logits, {name: the model's output of that name})."""
+        """The logits; with `aux` (e.g. ("router_logits",)), (logits, {name: the model's output of that name}). Zero
+        rows give zero rows (models/empty_rows.py)."""
+        if empty_rows.no_rows(inputs):
+            return empty_rows.cut(self.compute(aux, **empty_rows.one_row(inputs)))
+        return self.compute(aux, **inputs)
+
+    def compute(self, aux: tuple[str, ...], **inputs: torch.Tensor) -> Any:
         if self.use_cache:
             inputs["use_cache"] = False  # a training forward needs no key/value cache
         output, extra = moe.forward(self.model, self.router, inputs, aux)
@@ -78,6 +85,11 @@ class HFAdapter(nn.Module):
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
+
+    @property
+    def keyed_module(self) -> nn.Module:
+        """The module whose own names are this model's state_dict keys (parallel/state_dicts.py): the HF model."""
+        return self.model
 
     @property
     def max_positions(self) -> Optional[tuple[str, int]]:
@@ -97,19 +109,28 @@ class HFAdapter(nn.Module):
 
 
 class HFCausalLM(HFAdapter):
-    """Logits (batch, vocabulary, length); the labels are the inputs, shifted by the loss (loss.shift_labels).
-    Blocks packed by documents (their `document_ids`) get positions and attention per document (models/packed.py)."""
+    """Logits (batch, vocabulary, length), or (`logits="chunked"`) its last hidden states and head as a
+    core.chunked_ce.Projection, which the loss reduces without the full logits (models/heads.py); the labels are the
+    inputs, shifted by the loss (loss.shift_labels). Blocks packed by documents (their `document_ids`) get positions
+    and attention per document (models/packed.py)."""
 
     loss_defaults = dict(normalize="tokens", shift_labels=True)
     packs_documents = True
+    logits = "full"  # or chunked: a Projection (heads.choose)
+    fused = None  # model.kernels' fused cross-entropy for a Projection
 
-    def forward(self, aux: tuple[str, ...] = (), **inputs: torch.Tensor) -> Any:
+    def compute(self, aux: tuple[str, ...], **inputs: torch.Tensor) -> Any:
         if "document_ids" in inputs:
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            base = heads.causal(self.model)
             dtype = next(base.parameters()).dtype
             inputs = packed.document_inputs(inputs, getattr(base.config, "_attn_implementation", None) or "eager",
                                             dtype if dtype.is_floating_point else torch.float32)
-        return super().forward(aux, **inputs)
+        if self.logits == "full" or "aux_loss" in aux:  # the model's own balancing loss: its full forward's
+            return super().compute(aux, **inputs)
+        if self.use_cache:
+            inputs["use_cache"] = False
+        output, extra = moe.forward(lambda **kw: heads.project(self.model, kw, self.fused), self.router, inputs, aux)
+        return (output, extra) if aux else output
 
     def layout(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.transpose(1, 2)
@@ -119,39 +140,24 @@ class HFSeqCls(HFAdapter):
     """Logits (batch, classes)."""
 
 
-def _adapter_only(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    keep = {prefix + key for key in adapters.trained_keys(module)}
-    for key in [k for k in state_dict if k.startswith(prefix) and k not in keep]:
-        del state_dict[key]
-
-
-def _plain_keys(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    inner = prefix + "model."
-    items = list(state_dict.items())
-    state_dict.clear()  # rebuilt in the same order
-    for key, value in items:
-        state_dict[prefix + key[len(inner):] if key.startswith(inner) else key] = value
-
-
-def _inner_keys(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """The plain keys back under `model.` — decided by the wrapped model's own keys, not by the prefix: a Llama's or a
-    Mixtral's plain keys begin with `model.` themselves."""
-    inner = prefix + "model."
-    own = {inner + key for key in module.model.state_dict(keep_vars=True)}
-    for key in [k for k in state_dict if k.startswith(prefix) and inner + k[len(prefix):] in own]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
-
-
 def causal_lm(num_classes: int, adapter: Optional[str] = None, lora: Optional[dict] = None,
-              quantize: Optional[str] = None, neftune_alpha: Optional[float] = None, **kwargs: Any) -> HFCausalLM:
+              quantize: Optional[str] = None, neftune_alpha: Optional[float] = None, logits: str = "chunked",
+              kernels: Optional[str] = None, **kwargs: Any) -> HFCausalLM:
     """model=hf_causal_lm: AutoModelForCausalLM; a random initialisation takes the data's vocabulary; `adapter`
-    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model; `neftune_alpha`: NEFTune."""
+    (lora, with `lora`'s settings) trains adapters on the frozen (`quantize`d) model; `neftune_alpha`: NEFTune;
+    `logits`: chunked (hidden states and head for the loss) or full; `kernels`: liger (models/kernels.py)."""
     adapters.check(adapter, quantize)
     neftune.check(neftune_alpha)
+    heads.check(logits)
+    kernels_module.check(kernels)
     model = load("AutoModelForCausalLM", num_labels=None, vocab_size=kwargs.pop("vocab_size", num_classes),
                  quantize=quantize, **kwargs)
+    kernels_module.apply(model, kernels)
     wrapped = HFCausalLM(adapt(model, "AutoModelForCausalLM", adapter, lora, quantize))
     neftune.attach(wrapped, wrapped.model, neftune_alpha)
+    wrapped.logits = heads.choose(wrapped.model, logits, kernels)
+    if kernels and wrapped.logits == "chunked":
+        wrapped.fused = kernels_module.fused_cross_entropy
     return wrapped
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
@@ -81,7 +81,8 @@ class Router:
         self.routing = routing
         self.tap = RouterTap(model) if routing.returns_logits else None
 
-    def call(self, model: nn.Module, inputs: dict[str, Any], aux: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+    def call(self, model: Callable[..., Any], inputs: dict[str, Any], aux: tuple[str, ...]
+             ) -> tuple[Any, dict[str, Any]]:
         """model(**inputs) and the auxiliary outputs `aux` of that forward (None for one it cannot give)."""
         options = {"output_router_logits": "aux_loss" in aux} if self.routing.own_loss else {}
         taking = self.tap is not None and "router_logits" in aux
@@ -99,9 +100,10 @@ def router_of(model: nn.Module) -> Optional[Router]:
     return Router(model, routing) if routing is not None else None
 
 
-def forward(model: nn.Module, router: Optional[Router], inputs: dict[str, Any], aux: tuple[str, ...]
+def forward(model: Callable[..., Any], router: Optional[Router], inputs: dict[str, Any], aux: tuple[str, ...]
             ) -> tuple[Any, dict[str, Any]]:
-    """The model's output for `inputs`, and the auxiliary outputs `aux` (none asked: {}; a dense model's: None)."""
+    """The output of `model` (the model, or a call of its parts: model.logits=chunked) for `inputs`, and the
+    auxiliary outputs `aux` (none asked: {}; a dense model's: None)."""
     if router is None:
         output = model(**inputs)
         return output, {name: getattr(output, name, None) for name in aux}

@@ -20,8 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -95,7 +94,10 @@ class FSDP(Strategy):
                        mp_policy=self.mixed_precision(), offload_policy=self.offload())
         for unit in reversed(units):  # innermost first
             fully_shard(unit, **options)
-        fully_shard(model, **options)
+        # The root's own parameters (embeddings, final norm, head) stay gathered from its forward to its backward, as
+        # FSDP advises (backward needs them first): a causal LM's head is then whole when the loss reads it
+        # (model.logits=chunked, models/heads.py), after the model's forward.
+        fully_shard(model, **{**options, "reshard_after_forward": False})
         if hasattr(model, "set_reduce_scatter_unused_params"):  # a parameter one rank leaves unused still reduces
             model.set_reduce_scatter_unused_params(True)
         if self.world.size > 1:
@@ -172,12 +174,12 @@ class FSDP(Strategy):
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer, ema: Optional[EMA]
               ) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
         if self.sharded_checkpoints:
-            shards = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            shards = {"model": state_dicts.model_state(model), "optimizer": state_dicts.optimizer_state(model, optimizer)}
             if ema is not None:
                 shards["ema"] = {"weights": ema.weights}  # DTensors: DCP writes each rank's shard
             return dict(sharded=True, ema=ema.state_dict(weights=False) if ema is not None else None), shards
-        state = dict(model=get_model_state_dict(model, options=FULL),  # every rank gathers, rank 0 keeps
-                     optimizer=get_optimizer_state_dict(model, optimizer, options=FULL), ema=None)
+        state = dict(model=state_dicts.model_state(model, FULL),  # every rank gathers, rank 0 keeps
+                     optimizer=state_dicts.optimizer_state(model, optimizer, FULL), ema=None)
         if ema is not None:
             whole = {key: gathered(value, self.world) for key, value in ema.weights.items()}
             state["ema"] = {**ema.state_dict(weights=False), "weights": whole}
@@ -186,13 +188,13 @@ class FSDP(Strategy):
     def load_weights(self, model: nn.Module, ema: Optional[EMA], state: dict[str, Any], path: Path) -> None:
         if state.get("sharded"):
             has_ema = ema is not None and state.get("ema") is not None
-            shards = state_dicts.read_sharded(path, {"model": get_model_state_dict(model),
+            shards = state_dicts.read_sharded(path, {"model": state_dicts.model_state(model),
                                                      **({"ema": {"weights": ema.weights}} if has_ema else {})})
-            set_model_state_dict(model, shards["model"])
+            state_dicts.set_model_state(model, shards["model"])
             if has_ema:
                 ema.load_state_dict({**state["ema"], **shards["ema"]})
             return
-        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+        state_dicts.set_model_state(model, state["model"], StateDictOptions(full_state_dict=True))
         if ema is not None and state.get("ema") is not None:
             ema.load_state_dict({**state["ema"], "weights": {key: shard_of(state["ema"]["weights"][key], value)
                                                              for key, value in ema.weights.items()}})
@@ -202,20 +204,20 @@ class FSDP(Strategy):
         has_ema = ema is not None and state.get("ema") is not None
         try:
             if state.get("sharded"):
-                templates = {"model": get_model_state_dict(model),
-                             "optimizer": get_optimizer_state_dict(model, optimizer),
+                templates = {"model": state_dicts.model_state(model),
+                             "optimizer": state_dicts.optimizer_state(model, optimizer),
                              **({"ema": {"weights": ema.weights}} if has_ema else {})}
                 shards = state_dicts.read_sharded(path, templates)  # reshards when written by another world
-                set_model_state_dict(model, shards["model"])
-                set_optimizer_state_dict(model, optimizer, shards["optimizer"])
+                state_dicts.set_model_state(model, shards["model"])
+                state_dicts.set_optimizer_state(model, optimizer, shards["optimizer"])
                 if has_ema:
                     ema.load_state_dict({**state["ema"], **shards["ema"]})
                 return
             # A full checkpoint: every rank holds the whole file (memory-mapped), each takes its shard.
             whole = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(model, state["model"], options=whole)
+            state_dicts.set_model_state(model, state["model"], whole)
             named = state_dicts.by_name(state["optimizer"], state_dicts.optimizer_names(model, optimizer))
-            set_optimizer_state_dict(model, optimizer, named, options=whole)
+            state_dicts.set_optimizer_state(model, optimizer, named, whole)
             if has_ema:
                 weights = {key: shard_of(state["ema"]["weights"][key], value)
                            for key, value in ema.weights.items()}

@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from accutrain.dist import World, broadcast_from_main
 from accutrain.errors import CorruptCheckpoint, UserError
@@ -31,6 +33,48 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     """The names of the optimizer's parameters, in the order torch.optim numbers them (param_groups in turn)."""
     name_of = {id(p): name for name, p in model.named_parameters()}
     return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def keyed(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose own names are the checkpoint's keys, and its prefix among `model`'s names. A model whose
+    state_dict renames its keys (models/hf.py's adapter, which drops `model.`) names that module `keyed_module`:
+    PyTorch's distributed state dicts walk each key attribute by attribute, so they are given that module."""
+    inner = getattr(model, "keyed_module", None)
+    if not isinstance(inner, nn.Module):
+        return model, ""
+    return inner, next(name for name, m in model.named_modules() if m is inner) + "."
+
+
+def model_state(model: nn.Module, options: Optional[StateDictOptions] = None) -> dict[str, Any]:
+    """get_model_state_dict under the checkpoint's keys."""
+    return get_model_state_dict(keyed(model)[0], options=options)
+
+
+def set_model_state(model: nn.Module, state: dict[str, Any], options: Optional[StateDictOptions] = None) -> None:
+    set_model_state_dict(keyed(model)[0], state, options=options)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, options: Optional[StateDictOptions] = None
+                    ) -> dict[str, Any]:
+    """get_optimizer_state_dict keyed by the parameters' names in `model` (as optimizer_names gives them)."""
+    inner, prefix = keyed(model)
+    return renamed(get_optimizer_state_dict(inner, optimizer, options=options), lambda name: prefix + name)
+
+
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                        options: Optional[StateDictOptions] = None) -> None:
+    inner, prefix = keyed(model)
+    set_optimizer_state_dict(inner, optimizer, renamed(state, lambda name: name.removeprefix(prefix)),
+                             options=options)
+
+
+def renamed(state: dict[str, Any], rename: Any) -> dict[str, Any]:
+    """A name-keyed optimizer state with every parameter name passed through `rename` (an empty state: as it is)."""
+    if not state or numbered(state):
+        return state
+    return {"state": {rename(name): s for name, s in state["state"].items()},
+            "param_groups": [{**group, "params": [rename(p) for p in group["params"]]}
+                             for group in state["param_groups"]]}
 
 
 def numbered(state: dict[str, Any]) -> bool:

@@ -119,23 +119,23 @@ def cache_key(**parts: Any) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def read_cache(path: Path, key: str) -> Optional[int]:
+def read_cache(path: Path, key: str, field: str = "micro_batch") -> Optional[int]:
     try:
-        return json.loads(path.read_text()).get(key, {}).get("micro_batch")
+        return json.loads(path.read_text()).get(key, {}).get(field)
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def write_cache(path: Path, key: str, micro_batch: int, description: str) -> None:
+def write_cache(path: Path, key: str, micro_batch: int, description: str, field: str = "micro_batch") -> None:
     try:
         entries = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         entries = {}
-    entries[key] = {"micro_batch": micro_batch, "for": description}
+    entries[key] = {field: micro_batch, "for": description}
     try:
         write_atomic(path, json.dumps(entries, indent=1) + "\n")
     except OSError as e:
-        log.warning(f"micro_batch=auto: could not cache the result in {path}: {e}")
+        log.warning(f"{field}=auto: could not cache the result in {path}: {e}")
 
 
 def trial(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any, batch_of: Callable[[int], Batch],

@@ -37,6 +37,7 @@ from accutrain.models import norms, pitfalls
 from accutrain.models.ema import make_ema
 from accutrain.seeding import seed_everything
 from accutrain.train.auto_batch import auto_micro_batch
+from accutrain.train.auto_tokens import auto_micro_tokens
 from accutrain.train.build_model import build_model, make_strategy
 from accutrain.train.components import Components
 
@@ -77,6 +78,12 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     if micro_batch == "auto":  # before SyncBatchNorm (no rank waits in a trial's collective) and the buffers' hooks
         micro_batch = auto_micro_batch(cfg, model, optimizer, precision, datasets, device, world, loss, cache_dir,
                                        spec)
+    micro_tokens = cfg.micro_tokens
+    if micro_tokens == "auto":  # the same place: trial steps before the buffers' hooks and compiling
+        window = cfg.global_batch or micro_batch * (cfg.accum or 1) * world.size  # the cut is of the whole window
+        micro_tokens = auto_micro_tokens(cfg, model, optimizer, precision, datasets, device, world, loss,
+                                         token_lengths(datasets, batches, None, "micro_tokens=auto"), window,
+                                         cache_dir, spec)
     buffers = spec.build(model) if spec else None
     synced = world.size > 1 and cfg.batchnorm.sync
     if synced:  # CUDA only: launch refuses it on the CPU
@@ -85,7 +92,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         micro_batch=micro_batch, accum=cfg.accum, devices=world.size, global_batch=cfg.global_batch,
         train_size=None if datasets.stream is not None else len(datasets.train), last_window=trainer.last_window,
         epochs=trainer.epochs, max_steps=trainer.max_steps, schedule=cfg.batch_schedule,
-        micro_tokens=cfg.micro_tokens,
+        micro_tokens=micro_tokens,
     )
     if (fewest := plan.smallest_window()) < loss.min_window:
         raise UserError(f"loss={loss.name} needs {loss.min_window} or more samples in every window, and "
@@ -100,6 +107,9 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
                         f"be; set micro_tokens ≥ {datasets.sample_shape[0]} (or a smaller data.max_length)")
     for line in plan.describe():
         log.info(line)
+    if tokens is not None and tokens.free:
+        log.info("data.padding=free: each micro-batch is one row of its samples' tokens end to end, no padding (a "
+                 "budget counts real tokens), each document with its own positions and attention")
     log.info(data.describe_split_sizes(datasets))
     for group in optimizer.param_groups:  # scaling.lr applies at each optimizer step, for its window's batch
         group["lr"] = group["initial_lr"] = cfg.optim["lr"]
@@ -119,7 +129,8 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
     pin = device.type == "cuda"
     sampler = (WindowSampler(plan, cfg.seed, world.rank, world.size, mixer, tokens) if datasets.stream is None else
                StreamSampler(plan, datasets.stream, cfg.seed, datasets.stream.buffer_size, world.rank, world.size,
-                             tokens.padded_to if tokens is not None else None))  # MixUp/CutMix drawn per window
+                             tokens.padded_to if tokens is not None else None,
+                             tokens is not None and tokens.free))  # MixUp/CutMix drawn per window
     # The loaders draw their workers' seeds from generators of their own, never from the global RNG that dropout uses.
     # An empty share becomes a stand-in batch, but for SyncBatchNorm, which takes zero samples (and would
     # otherwise mix the stand-in into the other ranks' statistics), and for FSDP, whose every forward and backward

@@ -41,6 +41,10 @@ def build_model(cfg: TrainConfig, datasets: data.Datasets, batches: BatchFormat,
     example = loss.probe(first)  # one input per row: a view of an image pair, an anchor of a text pair
     if isinstance(example.inputs, dict) and "document_ids" in example.inputs and \
             cfg.model.target.startswith("accutrain.models.") and cfg.model.target != "accutrain.models.hf.causal_lm":
+        if example.spans is not None:
+            raise UserError(f"data.padding=free lays a micro-batch's samples end to end, each keeping its positions "
+                            f"and attention to itself, which model {models.model_name(node)} cannot take "
+                            "(document_ids): use model=hf_causal_lm, or data.padding=longest")
         raise UserError(f"data.packing=true keeps each packed document's positions and attention to itself, which "
                         f"model {models.model_name(node)} cannot take (document_ids): use model=hf_causal_lm, or "
                         "data.packing=concat (attention crossing documents)")
