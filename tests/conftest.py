@@ -75,16 +75,23 @@ def run_of(*overrides: str):
 
 @contextmanager
 def captured_log() -> Iterator[io.StringIO]:
-    """What accutrain logs (INFO and up) while the block runs."""
+    """What accutrain logs (INFO and up) while the block runs, train.log's detail included: once a Hydra run in this
+    process has configured logging, `accutrain.detail` no longer propagates to `accutrain`."""
     logger, stream = logging.getLogger("accutrain"), io.StringIO()
     handler, level = logging.StreamHandler(stream), logger.level
+    detail = logging.getLogger("accutrain.detail")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    apart = not detail.propagate
+    if apart:
+        detail.addHandler(handler)
     try:
         yield stream
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        if apart:
+            detail.removeHandler(handler)
 
 
 def train_here(tmp_path: Path, name: str, *args: str) -> tuple[Path, str]:
