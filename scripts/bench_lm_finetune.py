@@ -65,19 +65,25 @@ def common(args: argparse.Namespace, work: Path) -> list[str]:
             f"trainer.precision={args.precision}", "trainer.activation_checkpointing=true", *args.overrides]
 
 
-def run(overrides: list[str], work: Path, name: str, args: argparse.Namespace) -> dict:
-    """One in-process accutrain run: its figures from metrics.jsonl (and CUDA's peak)."""
+def run_accutrain(overrides: list[str], work: Path, name: str) -> list[dict]:
+    """One in-process accutrain run in a new directory under `work`: its optimizer steps' records (metrics.jsonl)."""
     from accutrain.config.train import compose
+    from accutrain.config.validate import typed_run
     from accutrain.run.launch import train
 
+    run_dir = work / f"{name}-{time.monotonic_ns()}"
+    run_dir.mkdir()
+    train(typed_run(compose(*overrides)), run_dir)
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def run(overrides: list[str], work: Path, name: str, args: argparse.Namespace) -> dict:
+    """One in-process accutrain run: its figures from metrics.jsonl (and CUDA's peak)."""
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    run_dir = work / f"{name}-{time.monotonic_ns()}"
-    run_dir.mkdir()
-    train(compose(*overrides, f"hydra.run.dir={run_dir}"), run_dir)
-    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    steps = run_accutrain(overrides, work, name)
     timed = steps[args.warmup:] or steps
     seconds = sum(r["input_tokens"] / r["input_tokens_per_s"] for r in timed)
     peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else max(r["peak_mem_mb"] for r in steps)
