@@ -19,7 +19,7 @@ embedding (a lookup; LoRA's own are negligible: frozen base, ≈ 2N forward + 2N
 gradients, no weight gradients, +2N to recompute the forward), and the first and last step's loss (the first step
 is the same weights on the same window: equal on every side; the last drifts with each side's LoRA initialisation).
 `--levers` adds accutrain with one speed lever at a time on top of a plain run (micro_batch, full logits, padded);
-`--vision` compares resnet50 (224 px, bf16, channels_last for the hand loop) with a hand-written accumulation loop.
+`--vision` compares resnet50 (224 px, bf16; channels_last and contiguous) with a hand-written accumulation loop.
 
     python scripts/compare_lm_peers.py --tiny                         # the CPU, seconds: the harness (tested)
     python scripts/compare_lm_peers.py --device cuda --shape 0.5b     # Qwen2-0.5B-like
@@ -300,21 +300,26 @@ def vision(args: argparse.Namespace, work: Path) -> list[dict]:
 
     from accutrain.data.datasets import synthetic
 
-    name, size, micro, accum, steps, warmup = ("resnet18", 32, 4, 2, 4, 1) if args.tiny else \
+    name, size, micro, accum, steps, warmup = ("resnet18", 32, 4, 2, 10, 3) if args.tiny else \
         ("resnet50", 224, args.vision_micro, 4, 24, 4)
     n = micro * accum * steps
     data = ["data=synthetic", f"data.size={n}", "data.val_size=8", f"data.image_size={size}", "data.num_classes=1000"]
     precision = "bf16-mixed" if args.bf16 else "32"
     dtype = "bf16" if args.bf16 else "float32"
 
-    def accutrain_run(_: Path) -> dict:
-        peak_reset(args.device)
-        steps_ = run_accutrain([f"model={name}", *data, f"micro_batch={micro}", f"accum={accum}", "optim=sgd",
-                                "sched=constant", f"trainer.max_steps={steps}", "trainer.epochs=null",
-                                "trainer.eval_every=1000000", "trainer.progress=false", f"trainer.device={args.device}",
-                                f"trainer.precision={precision}", f"seed={SEED}", *args.overrides], work, "vision")
-        return dict(images_s=micro * accum * (steps - warmup) / (steps_[-1]["time"] - steps_[warmup - 1]["time"]),
-                    peak=peak_mib(args.device))
+    def accutrain_run(channels_last: bool) -> Callable[[Path], dict]:
+        def go(_: Path) -> dict:
+            peak_reset(args.device)
+            steps_ = run_accutrain([f"model={name}", "model.small_input=false",  # torchvision's stem, as by hand
+                                    *data, f"micro_batch={micro}", f"accum={accum}", "optim=sgd",
+                                    "sched=constant", f"trainer.max_steps={steps}", "trainer.epochs=null",
+                                    "trainer.eval_every=1000000", "trainer.progress=false",
+                                    f"trainer.device={args.device}", f"trainer.precision={precision}",
+                                    f"trainer.channels_last={channels_last}", f"seed={SEED}", *args.overrides],
+                                   work, "vision")
+            return dict(images_s=micro * accum * (steps - warmup) / (steps_[-1]["time"] - steps_[warmup - 1]["time"]),
+                        peak=peak_mib(args.device))
+        return go
 
     def hand_loop(channels_last: bool) -> Callable[[Path], dict]:
         def go(_: Path) -> dict:
@@ -349,19 +354,20 @@ def vision(args: argparse.Namespace, work: Path) -> list[dict]:
                         peak=peak_mib(args.device))
         return go
 
-    sides = {"accutrain": accutrain_run, "hand loop, channels_last": hand_loop(True),
-             "hand loop, contiguous": hand_loop(False)}
+    sides = {"accutrain, channels_last": accutrain_run(True), "hand loop, channels_last": hand_loop(True),
+             "accutrain, contiguous": accutrain_run(False), "hand loop, contiguous": hand_loop(False)}
     results = alternate(sides, args.rounds, work)
     print(f"{name} at {size} px, micro_batch {micro} × accum {accum}, {dtype}, SGD, {steps} steps ({warmup} "
           f"warm-up), {args.rounds} round(s)")
-    base = statistics.median(r["images_s"] for r in results["accutrain"])
+    rate = {side: statistics.median(r["images_s"] for r in runs) for side, runs in results.items()}
     rows = []
-    print(f"{'side':<28}{'images/s':>10}{'× accutrain':>13}{'peak MiB':>10}")
+    print(f"{'side':<28}{'images/s':>10}{'× hand loop':>13}{'peak MiB':>10}   (× the hand loop of the same format)")
     for side, runs in results.items():
-        images_s = statistics.median(r["images_s"] for r in runs)
+        hand = rate["hand loop, " + side.split(", ")[1]]
         peak = max((r["peak"] for r in runs if r["peak"] is not None), default=None)
-        rows.append(dict(side=side, images_s=images_s, peak=peak))
-        print(f"{side:<28}{images_s:>10,.1f}{images_s / base:>13.3f}{'n/a' if peak is None else f'{peak:,.0f}':>10}")
+        rows.append(dict(side=side, images_s=rate[side], vs_hand=rate[side] / hand, peak=peak))
+        print(f"{side:<28}{rate[side]:>10,.1f}{rate[side] / hand:>13.3f}"
+              f"{'n/a' if peak is None else f'{peak:,.0f}':>10}")
     return rows
 
 

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh                      # everything; the report goes to gpu_report/REPORT.md
 #   bash scripts/gpu_check.sh OUT tests memory     # only some steps (tests, smoke, memory, overhead, auto, compile,
-#                                                    ddp, fsdp) into OUT/
+#                                                    ddp, fsdp, peers, levers, vision, embeddings) into OUT/
 #
 # Steps: `tests` (pytest -m cuda: the CUDA correctness tests, e.g. tests/cuda/test_cuda_correctness.py), `smoke` (the
 # default job on the GPU, then accutrain-check), `memory` (scripts/bench_memory.py: peak memory and samples/s
@@ -12,7 +12,11 @@
 # resnet18 and on the MLP), `auto` (scripts/bench_auto_batch.py: micro_batch=auto against the largest that fits),
 # `compile` (the same with trainer.compile=true: compiled against eager samples/s), `ddp`
 # (scripts/bench_ddp.py, NCCL; needs 2 GPUs, else skipped and said), `fsdp` (scripts/bench_memory.py --strategies:
-# DDP vs FSDP each/last/offload at devices=2; needs 2 GPUs). Each step's full output is OUT/<step>.log;
+# DDP vs FSDP each/last/offload at devices=2; needs 2 GPUs), `peers` (scripts/compare_lm_peers.py: LoRA at the 0.5B and
+# 1.5B shapes beside the HF Trainer and TRL: tokens/s, peak memory, MFU), `levers` (the same, accutrain with one speed
+# lever at a time), `vision` (resnet50 at 224 px, bf16, against the hand-written loop), `embeddings`
+# (scripts/compare_embedding_peers.py beside sentence-transformers' cached loss). Each step's full output is
+# OUT/<step>.log;
 # REPORT.md has the machine, the versions, and per step the command, exit code, wall time and the output's end.
 # The exit code is the number of steps that failed (0: all passed).
 #
@@ -24,7 +28,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${1:-gpu_report}
 shift $(( $# > 0 ? 1 : 0 ))
-STEPS=${*:-tests smoke memory overhead auto compile ddp fsdp}
+STEPS=${*:-tests smoke memory overhead auto compile ddp fsdp peers levers vision embeddings}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -116,8 +120,17 @@ for step in $STEPS; do
             else
                 skip_step fsdp "needs 2 GPUs for DDP vs FSDP at devices=2, $gpus visible"
             fi ;;
+        peers)
+            run_step peers_0.5b $PY scripts/compare_lm_peers.py --device cuda --shape 0.5b
+            run_step peers_1.5b $PY scripts/compare_lm_peers.py --device cuda --shape 1.5b ;;
+        levers)
+            run_step levers $PY scripts/compare_lm_peers.py --device cuda --shape 0.5b --levers ;;
+        vision)
+            run_step vision $PY scripts/compare_lm_peers.py --device cuda --vision ;;
+        embeddings)
+            run_step embeddings $PY scripts/compare_embedding_peers.py --device cuda ;;
         *)
-            skip_step "$step" "unknown step (tests, smoke, memory, overhead, auto, compile, ddp, fsdp)" ;;
+            skip_step "$step" "unknown step (tests, smoke, memory, overhead, auto, compile, ddp, fsdp, peers, levers, vision, embeddings)" ;;
     esac
 done
 

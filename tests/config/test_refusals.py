@@ -39,6 +39,7 @@ ROWS = {
     ("strategy=fsdp", "batchnorm.sync=true"): [*FSDP, "batchnorm.sync=true"],
     ("strategy=fsdp", "trainer.ema_device=cpu"): [*FSDP, "trainer.ema=0.9", "trainer.ema_device=cpu"],
     ("strategy=fsdp", "trainer.compile=true"): [*FSDP, "trainer.compile=true"],
+    ("strategy=fsdp", "trainer.channels_last=true"): [*FSDP, "trainer.channels_last=true"],
     ("strategy=fsdp", "trainer.noise_scale=true"): [*FSDP, "trainer.noise_scale=true", "accum=2"],
     ("strategy=fsdp", "model.adapter=lora"): [*LM, "strategy=fsdp", "model.adapter=lora"],
     ("strategy=fsdp", "trainer.export=weights"): [*FSDP, "trainer.export=weights"],

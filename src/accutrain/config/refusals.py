@@ -97,6 +97,8 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c: c.trainer.ema_device is not None, lambda c: f"trainer.ema_device={c.trainer.ema_device}",
             "the average is sharded like the weights (1/devices of it per rank); strategy.cpu_offload=true keeps "
             "both in host memory"),
+        Row(lambda c: c.trainer.channels_last, "trainer.channels_last=true", "PyTorch's fully_shard takes contiguous "
+            "parameters only; use strategy=ddp"),
         Row(lambda c: c.trainer.compile, "trainer.compile=true", "compiling the model inside FSDP's sharding is not "
             "verified with accutrain's exact accumulation; use strategy=ddp to compile"),
         Row(lambda c: c.trainer.noise_scale, "trainer.noise_scale=true", "FSDP's gradients are sharded and reduced "

@@ -162,6 +162,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once
     compile_mode: Optional[str] = None  # torch.compile's mode: default | reduce-overhead | max-autotune | …
     compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for debugging)
+    channels_last: bool = False  # the model's 4-D weights and the 4-D inputs in channels_last (NHWC) memory format
 
 
 # --- batch_schedule/ -------------------------------------------------------------------------------------

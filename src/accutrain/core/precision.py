@@ -19,6 +19,7 @@ class Precision:
     autocast_dtype: Optional[torch.dtype]  # the forward's compute dtype under autocast, or None
     param_dtype: torch.dtype  # the weights' dtype
     scaler: Optional[torch.amp.GradScaler]  # 16-mixed only: scale/unscale/step/update once per optimizer step
+    channels_last: bool = False  # trainer.channels_last: 4-D inputs (images) in channels_last, as the model's weights
     _seed: Optional[tuple[float, torch.Tensor]] = field(default=None, repr=False, compare=False)  # backward's last
 
     def autocast(self) -> ContextManager:
@@ -43,9 +44,12 @@ class Precision:
             loss.backward(seed)
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
-        """Floating inputs in the weights' dtype when the weights are half precision; others as they are."""
+        """Floating inputs in the weights' dtype when the weights are half precision, 4-D ones in channels_last with
+        trainer.channels_last; others as they are."""
         if self.param_dtype != torch.float32 and x.is_floating_point():
-            return x.to(self.param_dtype)
+            x = x.to(self.param_dtype)
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
         return x
 
 
@@ -70,17 +74,17 @@ def found_inf_and_update(scaler: torch.amp.GradScaler, optimizer: torch.optim.Op
     return found_inf, scaler._scale
 
 
-def make_precision(name: str, device: torch.device) -> Precision:
+def make_precision(name: str, device: torch.device, channels_last: bool = False) -> Precision:
     name = str(name)
     if name not in CHOICES:
         raise UserError(f"trainer.precision={name} is not valid: expected one of {', '.join(CHOICES)}")
     if name == "16-mixed":
-        return Precision(name, device, torch.float16, torch.float32, torch.amp.GradScaler(device.type))
+        return Precision(name, device, torch.float16, torch.float32, torch.amp.GradScaler(device.type), channels_last)
     if name == "bf16-mixed":
-        return Precision(name, device, torch.bfloat16, torch.float32, None)
+        return Precision(name, device, torch.bfloat16, torch.float32, None, channels_last)
     if name == "bf16-true":
-        return Precision(name, device, None, torch.bfloat16, None)
-    return Precision(name, device, None, torch.float32, None)
+        return Precision(name, device, None, torch.bfloat16, None, channels_last)
+    return Precision(name, device, None, torch.float32, None, channels_last)
 
 
 def tolerance(name: str) -> float:

@@ -53,11 +53,13 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         made = instantiate("data", cfg.data.node(supplied["data"]))
     # Its views (augment=) and batch format, the data checked once: what it is, its first window, its targets.
     datasets, batches = data_checks.prepare(made, cfg)
-    precision = make_precision(trainer.precision, device)
+    precision = make_precision(trainer.precision, device, trainer.channels_last)
     strategy = make_strategy(cfg, world, device, precision)
     # FSDP shards the model built in CPU memory, each rank moving only its shards to the device.
     model, loss, built, base = build_model(cfg, datasets, batches, world, device, precision, strategy)
     supplied.update({node: arguments for node, arguments in built.items() if arguments})
+    if trainer.channels_last:  # the images follow (precision.inputs); the same sums, in another order
+        model = model.to(memory_format=torch.channels_last)
     model = strategy.prepare(model)
     losses.attach(loss, model)  # a learnt temperature: a parameter of the model, before the optimizer
     mixer = make_mixer(cfg.augment, cfg.seed, datasets.num_classes, datasets.train[0])
