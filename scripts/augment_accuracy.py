@@ -66,17 +66,18 @@ RECIPES = {  # crop_flip's padding auto: an eighth of the image size (CIFAR's 4 
 SPLITS = {"micro_batch=32": ["micro_batch=32"], "micro_batch=8 accum=4": ["micro_batch=8", "accum=4"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=32, help="training images per class")
     parser.add_argument("--val", type=int, default=100, help="held-out images per class")
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--size", type=int, default=16, help="data.image_size: the 32×32 images resized to it")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch
 
     from accutrain.config.train import compose
+    from accutrain.config.validate import typed_run
     from accutrain.run.launch import train
 
     torch.set_num_threads(1)
@@ -94,7 +95,7 @@ def main() -> None:
                 for seed in args.seeds:
                     run = Path(tmp) / "runs" / f"{recipe}-{split}-{seed}".replace(" ", "_")
                     run.mkdir(parents=True)
-                    train(compose(*common, *overrides, *cut, f"seed={seed}"), run)
+                    train(typed_run(compose(*common, *overrides, *cut, f"seed={seed}")), run)
                     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                              if '"val_acc"' in line]
                     accs.append(evals[-1]["val_acc"])

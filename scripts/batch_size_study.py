@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.run.launch import train
 
 COMMON = ["model=cnn", "optim=adamw", "optim.lr=1e-3", "scaling.base_batch=64", "trainer.progress=false",
@@ -39,11 +40,11 @@ RUNS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--only", default=",".join(RUNS), help="the runs, comma-separated")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("accutrain").setLevel(logging.ERROR)
     print("| run | effective | steps | val loss / acc by samples seen | wall s | CPU s | B_simple, last fifth |")
@@ -53,7 +54,7 @@ def main() -> None:
             run_dir = Path(tmp) / name.replace("/", "_")
             run_dir.mkdir()
             cpu, wall = time.process_time(), time.perf_counter()
-            train(compose(*COMMON, *RUNS[name], f"trainer.epochs={args.epochs}"), run_dir)
+            train(typed_run(compose(*COMMON, *RUNS[name], f"trainer.epochs={args.epochs}")), run_dir)
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in records if "loss" in r]

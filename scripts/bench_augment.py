@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.data.datasets import Datasets
 from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.dist import World
@@ -69,7 +70,7 @@ def loader_for(name: str, size: int, workers: int, micro_batch: int):
     cfg = compose("model=mlp", "model.hidden=[16]", "data=custom", "data._target_=bench_augment.cifar_like",
                   f"+data.size={size}", f"loader.num_workers={workers}",
                   f"micro_batch={micro_batch}", "trainer.progress=false", *VARIANTS[name])
-    c = build(cfg, World(), torch.device("cpu"))
+    c = build(typed_run(cfg), World(), torch.device("cpu"))
     if name == "unseeded":
         data = c.loader.dataset.dataset
         c.loader.dataset.dataset = Views(data.raw, data.transform, seed=None)
@@ -84,14 +85,14 @@ def epoch_rate(c) -> float:
     return n / (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_augment.cifar_like, also in workers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--size", type=int, default=2048, help="training images (3×32×32)")
     parser.add_argument("--workers", type=int, default=0, help="loader.num_workers")
     parser.add_argument("--micro-batch", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"$ python scripts/bench_augment.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.size} images 3×32×32, micro_batch {args.micro_batch}, "

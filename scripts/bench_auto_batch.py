@@ -19,13 +19,22 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from accutrain.config.train import compose
+from accutrain.config.train import TrainConfig, compose
+from accutrain.config.validate import typed_run
 from accutrain.train.memory import is_oom
 from accutrain.dist import World
 from accutrain.train.build import build
 
 DEFAULTS = ["model=resnet18", "data=synthetic", "data.image_size=64", "data.size=512", "trainer.device=cuda",
             "global_batch=720720", "micro_batch=auto", "trainer.max_steps=1"]
+
+
+def run_config(overrides: list[str], micro_batch: int | None = None) -> TrainConfig:
+    """The run of `overrides`; with `micro_batch`, that micro-batch alone per optimizer step (global_batch too)."""
+    if micro_batch is not None:
+        overrides = [*(o for o in overrides if not o.startswith(("micro_batch=", "global_batch="))),
+                     f"micro_batch={micro_batch}", f"global_batch={micro_batch}"]
+    return typed_run(compose(*overrides))
 
 
 def hand_step_fits(cfg, size: int) -> bool:
@@ -50,21 +59,20 @@ def hand_step_fits(cfg, size: int) -> bool:
         torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--free-mb", type=int, default=4000, help="MiB of the GPU left free for the search")
     ap.add_argument("overrides", nargs="*", help="more accutrain overrides")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
         sys.exit("bench_auto_batch needs a CUDA GPU")
     overrides = [*DEFAULTS, *args.overrides]
     free, _ = torch.cuda.mem_get_info()
     hold = torch.empty(free - args.free_mb * 2**20, dtype=torch.uint8, device="cuda")
-    chosen = build(compose(*overrides), World(), torch.device("cuda", 0)).plan.micro_batch
+    chosen = build(run_config(overrides), World(), torch.device("cuda", 0)).plan.micro_batch
     torch.cuda.empty_cache()
-    fixed = [o for o in overrides if not o.startswith(("micro_batch=", "global_batch="))]
-    cfg = lambda m: compose(*fixed, f"micro_batch={m}", f"global_batch={m}")  # noqa: E731
+    cfg = lambda m: run_config(overrides, m)  # noqa: E731
     lo, hi = chosen, 2 * chosen  # lo fits (checked), hi grows until it does not
     assert hand_step_fits(cfg(lo), lo), f"auto's choice {chosen} does not fit the hand-written step"
     while hand_step_fits(cfg(hi), hi):

@@ -26,6 +26,7 @@ import torch
 
 from accutrain import dist
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.store.progress import Progress
 from accutrain.run.launch import spawn
 from accutrain.signals import StopRequest
@@ -40,7 +41,7 @@ def bench_worker(world: dist.World, cfg, out: str, sync_every_micro_batch: bool)
     dist.init_process_group(world, device)
     r = build(cfg, world, device)
     if sync_every_micro_batch:
-        r.no_sync = nullcontext  # the forgotten no_sync: DDP all-reduces after every backward
+        r.strategy.no_sync = nullcontext  # the forgotten no_sync: DDP all-reduces after every backward
     metrics = MetricsLog(Path(out) if world.main else None)
     with StopRequest(announce=False) as stop:
         fit(r, metrics, Progress(), lambda *a, **k: None, stop)
@@ -60,13 +61,13 @@ def measure(cfg, sync_every: bool, warmup: int) -> tuple[float, float, float]:
     return rate, syncs, megabytes
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="first optimizer steps not timed")
     ap.add_argument("--accums", default="1,2,4,8")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: resnet18 on digits, micro_batch=16)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     overrides = args.overrides or ["micro_batch=16"]
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; devices=2 "
@@ -75,8 +76,8 @@ def main() -> None:
     print(f"{'accum':>5} | {'one sync per step':>30} | {'a sync per micro-batch':>30} | speed-up")
     print(f"{'':>5} | {'samples/s  syncs/step  MB/step':>30} | {'samples/s  syncs/step  MB/step':>30} |")
     for accum in map(int, args.accums.split(",")):
-        cfg = compose("devices=2", f"accum={accum}", "trainer.epochs=null", f"trainer.max_steps={args.steps}",
-                      "trainer.eval_every=1000000", "trainer.progress=false", *overrides)
+        cfg = typed_run(compose("devices=2", f"accum={accum}", "trainer.epochs=null", f"trainer.max_steps={args.steps}",
+                                "trainer.eval_every=1000000", "trainer.progress=false", *overrides))
         once = measure(cfg, False, args.warmup)
         every = measure(cfg, True, args.warmup)
         print(f"{accum:>5} | {once[0]:>9.1f}  {once[1]:>10.1f}  {once[2]:>7.1f} | "

@@ -58,11 +58,11 @@ def peak_mib(argv: list[str]) -> float:
     return int(out.stdout.split()[-1]) / 1024
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2_000, 200_000])
     parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_chats(root / "val.jsonl", 100)

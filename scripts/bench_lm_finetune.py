@@ -107,7 +107,7 @@ def qlora_base(args: argparse.Namespace, work: Path) -> Path:
     return path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (seconds): checks the script")
@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--precision", default="bf16-mixed")
     p.add_argument("--quantize", choices=["4bit"], default=None, help="add a QLoRA side (bitsandbytes, CUDA)")
     p.add_argument("overrides", nargs="*", help="more accutrain overrides for every run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.tiny:
         args.device, args.hidden, args.layers, args.heads, args.kv_heads = "cpu", 64, 2, 4, 2
         args.intermediate, args.vocab, args.max_length, args.global_batch = 128, 512, 96, 8

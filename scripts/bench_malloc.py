@@ -30,6 +30,7 @@ def one(variant: str, steps: int, warmup: int, threads: int, overrides: list[str
     import torch
 
     from accutrain.config.train import compose
+    from accutrain.config.validate import typed_run
     from accutrain.run.malloc import tune_malloc
 
     torch.set_num_threads(threads)
@@ -42,7 +43,7 @@ def one(variant: str, steps: int, warmup: int, threads: int, overrides: list[str
         return stamps[-1][0]
 
     bench_overhead.CLOCK = clock
-    cfg = compose("trainer.device=cpu", *overrides)
+    cfg = typed_run(compose("trainer.device=cpu", *overrides))
     run = bench_overhead.accutrain_loop if variant.startswith("accutrain") else bench_overhead.hand_written
     run(cfg, steps, warmup)
     samples = cfg.micro_batch * (cfg.accum or 1) * (steps - warmup - 1)  # full windows (no tail this early)
@@ -51,7 +52,7 @@ def one(variant: str, steps: int, warmup: int, threads: int, overrides: list[str
                 peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one variant
     ap.add_argument("overrides", nargs="*", help=f"accutrain overrides (default: {' '.join(DEFAULT)})")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     overrides = args.overrides or DEFAULT
     if args.one:
         print(json.dumps(one(args.one, args.steps, args.warmup, args.threads, overrides)))

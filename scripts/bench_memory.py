@@ -129,7 +129,7 @@ def plot(rows: list[tuple[str, int, int, float, float]], out: Path, title: str) 
     fig.savefig(out, dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--mmap-threshold", type=int, default=131072,
                     help="--strategies: MALLOC_MMAP_THRESHOLD_ for the workers (0: glibc's default)")
     ap.add_argument("overrides", nargs="*", help="more accutrain overrides, e.g. trainer.precision=bf16-mixed")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     header = (f"resnet18, {args.image_size}×{args.image_size} images, {device}, torch {torch.__version__}, "
               f"{platform.machine()}")

@@ -26,11 +26,12 @@ import torch
 
 import bench_overhead  # scripts/: run as `python scripts/bench_noise_scale.py`
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.core.noise_scale import NoiseScale
 from accutrain.dist import World
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, micro_batch=8 "
                                                  "accum=4)")
     ap.add_argument("--isolated", action="store_true", help="the hooks' work against a micro-batch's alone")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu":
@@ -52,8 +53,8 @@ def main() -> None:
     rates: dict[str, list[float]] = {"off": [], "on": []}
     for round_ in range(args.rounds):
         for name in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
-            cfg = compose(*overrides, "trainer.progress=false", "loader.num_workers=0", "trainer.device=cpu",
-                          f"trainer.noise_scale={str(name == 'on').lower()}")
+            cfg = typed_run(compose(*overrides, "trainer.progress=false", "loader.num_workers=0", "trainer.device=cpu",
+                                    f"trainer.noise_scale={str(name == 'on').lower()}"))
             rates[name].append(bench_overhead.accutrain_loop(cfg, args.steps, args.warmup))
         print(f"round {round_ + 1}: off {rates['off'][-1]:.1f} samples/s, on {rates['on'][-1]:.1f} samples/s",
               flush=True)
@@ -70,8 +71,8 @@ def main() -> None:
 def isolated(overrides: list[str], rounds: int) -> None:
     """One micro-batch's forward and backward without the hooks, and with them (armed, as in a window), timed
     alternately; also the hooks' norms alone, on the gradients after the backward."""
-    c = bench_overhead.setup(compose(*overrides, "trainer.progress=false", "loader.num_workers=0",
-                                     "trainer.device=cpu"))
+    c = bench_overhead.setup(typed_run(compose(*overrides, "trainer.progress=false", "loader.num_workers=0",
+                                               "trainer.device=cpu")))
     batch = c.loader.dataset.__getitems__(next(c.sampler.windows())[0])[1]  # the first micro-batch
     params = [p for p in c.model.parameters() if p.requires_grad]
     clock = bench_overhead.CLOCK

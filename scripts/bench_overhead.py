@@ -27,6 +27,7 @@ loop the same one-indexing batches, so that what is left between the two is accu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import platform
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from accutrain.config.train import compose
+from accutrain.config.typed import seal
+from accutrain.config.validate import typed_run
 from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.signals import StopRequest
@@ -98,7 +101,7 @@ def hand_written(cfg, steps: int, warmup: int, loader: str = "dataloader") -> fl
     dataset = r.loader.dataset.dataset
     if loader == "gather":
         if not hasattr(dataset, "images"):
-            sys.exit(f"--hand-loader gather needs data held as tensors (digits, synthetic), not {cfg.data._target_}")
+            sys.exit(f"--hand-loader gather needs data held as tensors (digits, synthetic), not {cfg.data.target}")
         batches = gathered(dataset, cfg.micro_batch, cfg.seed)
     else:
         batches = DataLoader(dataset, batch_size=cfg.micro_batch, shuffle=True, pin_memory=r.device.type == "cuda",
@@ -123,8 +126,8 @@ def hand_written(cfg, steps: int, warmup: int, loader: str = "dataloader") -> fl
 
 
 def accutrain_loop(cfg, steps: int, warmup: int) -> float:
-    cfg = cfg.copy()
-    cfg.trainer.epochs, cfg.trainer.max_steps, cfg.trainer.eval_every = None, steps, 10**9
+    trainer = dataclasses.replace(cfg.trainer, epochs=None, max_steps=steps, eval_every=10**9)
+    cfg = seal(dataclasses.replace(cfg, trainer=trainer))
     r = setup(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = TimedMetrics(Path(tmp) / "metrics.jsonl")
@@ -134,7 +137,7 @@ def accutrain_loop(cfg, steps: int, warmup: int) -> float:
     return steady_rate(metrics.times, metrics.samples, warmup)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
@@ -147,9 +150,9 @@ def main() -> None:
                          "indexed per micro-batch as accutrain's loader takes them (then the difference is "
                          "accutrain's bookkeeping alone)")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     overrides = args.overrides or ["accum=4"]
-    cfg = compose(f"trainer.device={args.device}", *overrides)
+    cfg = typed_run(compose(f"trainer.device={args.device}", *overrides))
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:

@@ -64,13 +64,22 @@ def package_modules(package: str) -> dict:
     raise SystemExit(f"{package}: neither layout found")
 
 
+def typed_run(package: str):
+    """`package`'s config.validate.typed_run, or none before the typed run (issue 39): its build took the composed
+    config."""
+    try:
+        return importlib.import_module(f"{package}.config.validate").typed_run
+    except (ModuleNotFoundError, AttributeError):
+        return lambda cfg: cfg
+
+
 def accutrain_side(package: str, overrides: list[str], steps: int, warmup: int) -> float:
     """µs per optimizer step of `package`'s fit on the config."""
     m = package_modules(package)
     # Both packages store their schemas in Hydra's one ConfigStore: this side's, again, before it composes.
     getattr(m["config"].register_schemas, "cache_clear", lambda: None)()
-    cfg = m["config"].compose(*overrides)
-    cfg.trainer.epochs, cfg.trainer.max_steps, cfg.trainer.eval_every = None, steps, 10**9
+    cfg = typed_run(package)(m["config"].compose(*overrides, "trainer.epochs=null", f"trainer.max_steps={steps}",
+                                                 "trainer.eval_every=1000000000"))
     c = m["build"].build(cfg, m["dist"].World(), torch.device(cfg.trainer.device))
     times: list[float] = []
 
@@ -87,7 +96,7 @@ def accutrain_side(package: str, overrides: list[str], steps: int, warmup: int) 
     return (times[-1] - times[warmup]) / (len(times) - 1 - warmup) * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rev", help="the git revision to compare the working tree with (e.g. HEAD~1, main)")
     ap.add_argument("--rounds", type=int, default=15)
@@ -96,7 +105,7 @@ def main() -> None:
     ap.add_argument("--hand-loader", choices=("dataloader", "gather"), default="dataloader",
                     help="the hand loop's batches (bench_overhead.py --help)")
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: model=mlp micro_batch=8 accum=8)")
-    args = ap.parse_intermixed_args()
+    args = ap.parse_intermixed_args(argv)
     overrides = ["trainer.device=cpu", *(args.overrides or ["model=mlp", "micro_batch=8", "accum=8"])]
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.ERROR)
@@ -106,7 +115,7 @@ def main() -> None:
         old = import_revision(args.rev, Path(tmp))
         from accutrain.config.train import compose
 
-        cfg = compose(*overrides)
+        cfg = typed_run("accutrain")(compose(*overrides))
         per_step = 1e6 * cfg.micro_batch * cfg.accum  # samples/s → µs per optimizer step
         sides = {"hand-written": lambda: per_step / bench_overhead.hand_written(cfg, args.steps, args.warmup,
                                                                                    args.hand_loader),

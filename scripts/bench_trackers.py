@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.core.plan import make_plan
 from accutrain.trackers import RunEnd, Trackers, scalars
 
@@ -34,11 +35,11 @@ def time_tracker(name: str, root: Path, steps: int) -> float:
     """ms per optimizer step of logger=<name> (start and finish not timed)."""
     run_dir = root / f"{name}-{time.monotonic_ns()}"
     run_dir.mkdir()
-    cfg = compose(f"logger={name}", "debug=fast")
+    cfg = typed_run(compose(f"logger={name}", "debug=fast"))
     trackers = Trackers.build(cfg, run_dir)
     plan = make_plan(micro_batch=8, accum=4, devices=1, global_batch=None, train_size=32 * steps,
                      last_window=cfg.trainer.last_window, epochs=1, max_steps=None)
-    trackers.start(cfg, plan, 0, resumed=False)
+    trackers.start(cfg, {}, plan, 0, resumed=False)
     began = time.perf_counter()
     for step in range(1, steps + 1):
         trackers.log_step(record(step))
@@ -67,11 +68,11 @@ def time_mlflow_unbatched(root: Path, steps: int) -> float:
     return (time.perf_counter() - began) / steps * 1000
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("WANDB_MODE", "offline")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, python "

@@ -46,11 +46,11 @@ def one_run(method: str, overrides: list[str], run_dir: str) -> tuple[float, flo
     return wall, cpu
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("overrides", nargs="*", help="accutrain overrides added to the short job (devices=4, say)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     overrides = RUN + args.overrides
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")

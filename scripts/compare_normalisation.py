@@ -38,13 +38,13 @@ def window_grad(net: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return grads
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=20)
     ap.add_argument("--accum", type=int, default=16, help="micro-batches per window")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
     errors: dict[str, list[float]] = {"before": [], "after": []}
     for w in range(args.windows):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from accutrain.config.train import compose
+from accutrain.config.validate import typed_run
 from accutrain.core.batches import Batch
 from accutrain.core.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss
@@ -32,7 +33,7 @@ from accutrain.run.launch import train
 def run(args: list[str], run_dir: Path) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
     """Train in this process; (final weights, step records, evaluation records)."""
     run_dir.mkdir(parents=True)
-    train(compose(*args, "trainer.progress=false"), run_dir)
+    train(typed_run(compose(*args, "trainer.progress=false")), run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     return weights, [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
@@ -68,18 +69,19 @@ def window_seconds(micro: int, accum: int, width: int, repeats: int) -> dict[str
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--accum", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2, help="exact/naive pairs of timed runs, alternated")
     parser.add_argument("--width", type=int, default=1024, help="the timed encoder's hidden width (window timing)")
-    opts = parser.parse_args()
+    parser.add_argument("overrides", nargs="*", help="more accutrain overrides for every run")
+    opts = parser.parse_args(argv)
     logging.getLogger("accutrain").setLevel(logging.WARNING)
-    task = ["data=digits", "model=mlp", "model.hidden=[64]", "loss=contrastive", "data.views=2", "augment.crop=pad",
+    task = ["data=digits", "model=mlp", "model.hidden=[64]", "loss=contrastive", "augment.views=2", "augment.crop=pad",
             "augment.padding=1", "optim=adamw", "optim.lr=0.003", "loss.temperature=0.2", "trainer.grad_clip=1.0",
-            f"trainer.epochs={opts.epochs}", "trainer.eval_every=1000000"]
+            f"trainer.epochs={opts.epochs}", "trainer.eval_every=1000000", *opts.overrides]
     split = [f"micro_batch={opts.micro}", f"accum={opts.accum}"]
     effective = opts.micro * opts.accum
     with tempfile.TemporaryDirectory() as tmp:

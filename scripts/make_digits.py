@@ -45,10 +45,10 @@ def stratified_val_mask(labels: np.ndarray, fraction: float, seed: int) -> np.nd
     return val
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     pixels, labels, source = load()
     assert pixels.shape == (1797, 64) and pixels.min() >= 0 and pixels.max() <= 16, pixels.shape
     images = pixels.reshape(-1, 8, 8).astype(np.uint8)

@@ -202,7 +202,7 @@ def cost(a: argparse.Namespace, root: Path) -> None:
         print(f"| {mode} | {ms:.1f} | {ms / 1000 / base:.2f}× | {f'{peak[mode]:.0f}' if peak else 'n/a (CPU)'} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("study", "cost"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="PyTorch's CPU threads")
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides, as accutrain takes them")
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     torch.set_num_threads(a.threads)  # a tiny model: more threads than free cores only wait on each other
     with tempfile.TemporaryDirectory() as tmp:
         (study if a.what == "study" else cost)(a, Path(tmp))
