@@ -170,7 +170,8 @@ def cost(a: argparse.Namespace, root: Path) -> None:
     model = causal_lm(259, config=config, dropout=0.0).to(device)
     precision = make_precision(a.precision, device)
     batches = window_batches(held, a.micro_batch, a.effective // a.micro_batch, a.device)
-    losses = {mode: moe(mode, router_aux_coef=a.coef, model=model) for mode in ("off", "micro_batch", "window")}
+    losses = {mode: moe(mode, router_aux_coef=a.coef, model_defaults=causal_lm.loss_defaults)
+              for mode in ("off", "micro_batch", "window")}
     for loss in losses.values():
         loss.check(model, batches[0], "cost")
     terms = losses["window"].terms(batches)

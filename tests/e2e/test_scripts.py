@@ -123,3 +123,12 @@ def test_make_digits_split_is_the_bundled_one(scripts) -> None:
     make = scripts("make_digits.py")
     bundled = np.load(make.OUT)
     assert np.array_equal(make.stratified_val_mask(bundled["labels"].astype(np.int64), 0.2, seed=0), bundled["val"])
+
+
+@pytest.mark.slow
+def test_moe_balancing_times_each_option(scripts, capsys: pytest.CaptureFixture) -> None:
+    """moe_balancing.py's second mode (`cost`): one window accumulated by each loss.router_aux, and pass 1 alone."""
+    scripts("moe_balancing.py").main(["cost", "--repeats", "1", "--micro-batch", "2", "--effective", "4",
+                                      "--hidden", "16", "--layers", "1", "--experts", "2"])
+    out = capsys.readouterr().out
+    assert all(f"| {mode} |" in out for mode in ("off", "micro_batch", "window", "pass 1 alone")), out
