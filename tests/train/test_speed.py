@@ -234,6 +234,15 @@ def test_a_compile_that_compiles_nothing_is_said(tmp_path, fresh_dynamo):
     assert compiled.WATCH.graphs == 0 and "torch.compile compiled nothing in the first optimizer step" in log
 
 
+def test_a_second_run_in_one_process_reuses_the_graphs_and_says_nothing(tmp_path, fresh_dynamo):
+    """A Hydra multirun's jobs share one process: the second compiles nothing new (dynamo reuses the first's graphs for
+    the same code) and still runs compiled, so no warning."""
+    train_here(tmp_path, "first", *TINY, "data.size=40", "trainer.max_steps=2", *AOT)
+    _, log = train_here(tmp_path, "second", *TINY, "data.size=40", "trainer.max_steps=2", *AOT)
+    assert compiled.WATCH.graphs == 0 and compiled.WATCH.runs_graphs
+    assert "compiled nothing" not in log
+
+
 def test_micro_batches_of_one_or_no_sample_compile_nothing(fresh_dynamo):
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
     compiled.compile_model(model, None, "aot_eager")

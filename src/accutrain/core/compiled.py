@@ -31,7 +31,7 @@ def compile_model(model: nn.Module, mode: Optional[str], backend: str) -> None:
         return call(*args, **kwargs)
 
     model._compiled_call_impl = torch.compile(compiled_call, mode=mode, backend=backend)
-    WATCH = CompileWatch()
+    WATCH = CompileWatch(compiled_call.__code__)
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -50,10 +50,20 @@ def eager(model: nn.Module, samples: Optional[int] = None) -> ContextManager:
 
 
 class CompileWatch:
-    """Graphs compiled and seconds spent compiling since it was made (dynamo's process-wide counters)."""
+    """Graphs compiled and seconds spent compiling since it was made (dynamo's process-wide counters), and whether
+    the compiled call has graphs at all: a later run in the same process (a Hydra multirun's next job) reuses the
+    graphs an earlier one compiled for the same code, so it compiles nothing new and still runs compiled."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: Optional[Any] = None) -> None:
+        self.code = code
         self.graphs0, self.seconds0 = self._graphs(), self._seconds()
+
+    @property
+    def runs_graphs(self) -> bool:
+        """Whether dynamo holds a compiled graph for the compiled call (compiled now or by an earlier run)."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return self.graphs > 0 or (self.code is not None and bool(_debug_get_cache_entry_list(self.code)))
 
     @staticmethod
     def _graphs() -> int:

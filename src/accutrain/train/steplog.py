@@ -94,7 +94,7 @@ class StepLog:
         unit, per_s = ("tokens", record["tokens_per_s"]) if self.elements else ("samples", rate)
         if not self.bar.disable:
             self.bar.step(loss, lr, unit, per_s)
-        if self.compiling is not None and self.compiling.graphs == 0 and p.step == self.first_step and \
+        if self.compiling is not None and not self.compiling.runs_graphs and p.step == self.first_step and \
                 parts.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
             log.warning("trainer.compile=true, yet torch.compile compiled nothing in the first optimizer step: the "
                         "model runs eagerly (dynamo skipped it; TORCH_LOGS=graph_breaks,recompiles says why)")
