@@ -1,12 +1,12 @@
 """trainer.channels_last: the model's 4-D weights and the images in NHWC memory format — the same steps as the
-contiguous run (another summation order: float rounding), on one device and on 2 ranks."""
+contiguous run (another summation order: float rounding), on one device and on 2 ranks, and a bit-identical resume."""
 import pytest
 import torch
 
 from accutrain.core.precision import make_precision
 from accutrain.dist import World
 from accutrain.train.build import build
-from conftest import final_weights, run_of, train_here
+from conftest import assert_identical, final_weights, run_of, train_here
 
 CNN = ["debug=fast", "model=cnn", "model.channels=[8,16]", "data.size=96", "data.channels=3", "micro_batch=8",
        "accum=4", "optim=sgd", "optim.lr=0.1"]
@@ -38,3 +38,17 @@ def test_channels_last_takes_the_contiguous_runs_steps_on_one_device_and_two_ran
     for run in (nhwc, two):
         for key, value in final_weights(run).items():
             torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_a_channels_last_run_resumes_bit_identically(tmp_path):
+    from test_resume import rewind
+
+    args = [*CNN, "trainer.channels_last=true", "optim.momentum=0.9", "trainer.checkpoint_every=1",
+            "trainer.keep_checkpoints=20"]
+    reference, _ = train_here(tmp_path, "reference", *args)
+    train_here(tmp_path, "run", *args)
+    rewind(tmp_path / "run", 3)  # the momentum buffers come back from the checkpoint into channels_last weights
+    resumed, log = train_here(tmp_path, "run", *args, "resume=auto")
+    assert "at optimizer step 3" in log
+    assert_identical(final_weights(resumed), final_weights(reference))
