@@ -238,6 +238,21 @@ def killed_at_step(tmp_path: Path, name: str, steps: int, *args: str) -> Path:
     return tmp_path / name
 
 
+def rewind(run_dir: Path, step: int) -> Path:
+    """Make a finished run look killed after optimizer step `step`: drop its newer checkpoints (files, or the
+    directories of sharded ones) and `last`."""
+    ckpts = run_dir / "checkpoints"
+    for path in ckpts.glob("step-*"):
+        if int(path.name.split("-")[1].split(".")[0]) > step:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    for last in (ckpts / "last.pt", ckpts / "last"):
+        if last.is_symlink() or last.is_file():
+            last.unlink()
+        elif last.is_dir():
+            shutil.rmtree(last)
+    return ckpts
+
+
 def wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

@@ -17,8 +17,8 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.parallel.state_dicts import by_index, by_name
 from accutrain.report.summary import write_report
-from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, run_of, start,
-                      TINY, train_here, train_run, wait_for_steps, WAIT_S)
+from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, rewind, run_of,
+                      start, TINY, train_here, train_run, wait_for_steps, WAIT_S)
 
 # Linear(64, 33) shards unevenly over 2 ranks (17 + 16 rows); no dropout or BatchNorm, so the step is exact; the
 # delay (numerics untouched) lets a kill land mid-run.
@@ -310,3 +310,26 @@ def test_a_sharded_checkpoint_failing_on_a_full_disk_keeps_the_previous_one_and_
         train_here(tmp_path, "again", *args)
     assert_one_line_user_error(info.value, "could not write the checkpoint of optimizer step 3", "the newest on "
                                "disk is step-00000002: the run's last steps are not saved")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_hugging_face_model_under_fsdp_resumes_bit_identically(tmp_path, fmt):
+    """model=hf_causal_lm under FSDP: its checkpoints go through the module whose names are its keys (the adapter
+    renames them), and its optimizer state comes back by name; a run rewound to step 3 ends as the uninterrupted."""
+    pytest.importorskip("transformers")
+    lines = tmp_path / "lm.txt"
+    r = random.Random(5)
+    lines.write_text("\n".join(" ".join(r.choice("a cat sat on the mat".split()) for _ in range(r.randint(2, 14)))
+                               for _ in range(40)))
+    args = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "+model.config.n_layer=2", "+model.config.n_head=2",
+            "+model.config.n_embd=32", "+model.config.n_positions=64", "model.dropout=0", "data=text",
+            f"data.train={lines}", "data.val_fraction=0.1", "data.max_length=64", "optim=adamw", "trainer.epochs=2",
+            "micro_batch=4", "accum=2", "devices=2", "strategy=fsdp", f"strategy.checkpoint={fmt}",
+            "trainer.checkpoint_every=1", "trainer.keep_checkpoints=20", "trainer.progress=false"]
+    reference, _ = train_here(tmp_path, "reference", *args)
+    train_here(tmp_path, "run", *args)
+    rewind(tmp_path / "run", 3)
+    resumed, proc = train_run(tmp_path, "run", *args, "resume=auto")  # the CLI: rank 0's log is its stderr
+    assert "at optimizer step 3" in proc.stderr
+    assert_identical(saved(resumed)["model"], saved(reference)["model"])

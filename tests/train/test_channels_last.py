@@ -6,7 +6,7 @@ import torch
 from accutrain.core.precision import make_precision
 from accutrain.dist import World
 from accutrain.train.build import build
-from conftest import assert_identical, final_weights, run_of, train_here
+from conftest import assert_identical, final_weights, rewind, run_of, train_here
 
 CNN = ["debug=fast", "model=cnn", "model.channels=[8,16]", "data.size=96", "data.channels=3", "micro_batch=8",
        "accum=4", "optim=sgd", "optim.lr=0.1"]
@@ -42,8 +42,6 @@ def test_channels_last_takes_the_contiguous_runs_steps_on_one_device_and_two_ran
 
 @pytest.mark.slow
 def test_a_channels_last_run_resumes_bit_identically(tmp_path):
-    from test_resume import rewind
-
     args = [*CNN, "trainer.channels_last=true", "optim.momentum=0.9", "trainer.checkpoint_every=1",
             "trainer.keep_checkpoints=20"]
     reference, _ = train_here(tmp_path, "reference", *args)

@@ -14,7 +14,7 @@ import torch
 from accutrain.errors import UserError
 from accutrain.store import files
 from accutrain.train.resume import keep_metrics_until
-from conftest import (COMMAND_S, NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, WAIT_S, assert_identical,
+from conftest import (COMMAND_S, NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, WAIT_S, assert_identical, rewind,
                       assert_one_line_error, assert_one_line_user_error, cli_command, final_weights, read_metrics,
                       run_cli, start, train_here, train_run, wait_for_steps)
 
@@ -102,16 +102,6 @@ def test_sigterm_during_a_sweep_writes_the_summary_and_gives_the_sweeps_resume_c
     assert "resumed from" in (sweep / "1" / "train.log").read_text()
     for job in ("0", "1", "2"):
         assert [r["step"] for r in read_metrics(sweep / job)[0]] == [1, 2, 3, 4, 5]
-
-
-def rewind(run_dir: Path, step: int) -> Path:
-    """Make a finished run look killed after optimizer step `step`: drop its newer checkpoints."""
-    ckpts = run_dir / "checkpoints"
-    for path in ckpts.glob("step-*.pt"):
-        if int(path.stem.split("-")[1]) > step:
-            path.unlink()
-    (ckpts / "last.pt").unlink()
-    return ckpts
 
 
 def test_resume_auto_falls_back_past_a_corrupt_checkpoint(slow):
