@@ -120,7 +120,10 @@ def test_torchrun_with_devices_disagreeing_is_refused(tmp_path):
                           timeout=COMMAND_S)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if "devices=3 but torchrun started 2 processes" in line]
-    assert sorted(line.startswith("[rank 1]") for line in ours) == [False, True], proc.stderr  # once per rank
+    # once per rank that gets to say it: torchrun stops the other rank when one fails first (on a busy machine,
+    # before that one's line)
+    ranks = [line.startswith("[rank 1]") for line in ours]
+    assert ours and len(ranks) == len(set(ranks)), proc.stderr
     assert "accutrain/" not in proc.stderr  # no traceback through accutrain (torchrun prints its own report)
 
 

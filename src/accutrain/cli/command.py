@@ -182,17 +182,19 @@ def claimed(decided: Decided) -> Iterator[None]:
     changes = record.Changes()
 
     def look() -> None:
+        # Looked at first: where another command has made an earlier run since, nothing in it is this command's.
+        if sweep:
+            look_at_sweep(decided, keep=True)
+        else:
+            look_at_run_dir(place)
         # What the checks made, if no command has written into it since: this command's own.
         changes.made += [folder for folder in place.made
                          if folder.is_dir() and all(owned.empty(p) for p in folder.iterdir())]
         if place.log is not None and place.log.is_file() and not place.log.stat().st_size:
             changes.created.add(place.log)
-        if sweep:
-            look_at_sweep(decided, keep=True)
-            return
-        look_at_run_dir(place)
-        decided.changes[here] = changes
-        keep_hydra_record(decided, place)
+        if not sweep:
+            decided.changes[here] = changes
+            keep_hydra_record(decided, place)
 
     with claim.claimed(place.path, "sweep" if sweep else "run", "hydra.sweep.dir" if sweep else "hydra.run.dir",
                        look, changes):
