@@ -89,6 +89,13 @@ def test_noise_scale_refusals(compose, overrides, message):
     assert_one_line_user_error(info.value, message)
 
 
+def test_noise_scale_with_accum_1_in_a_launched_world_is_not_refused(compose, monkeypatch):
+    """Under torchrun or SLURM devices is left at its default (the processes started): one micro-batch per rank still
+    gives two gradients to compare."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    validate(compose(*TINY, "trainer.noise_scale=true", "micro_batch=32"))
+
+
 def test_noise_scale_of_an_element_level_loss_is_refused_by_the_build(tmp_path):
     with pytest.raises(UserError) as info:
         train_here(tmp_path, "run", *TINY, "accum=2", "loss.normalize=elements", "trainer.noise_scale=true")

@@ -4,6 +4,7 @@ PyTorch or the maths refuse (the optimizer's, the schedule's, the seeds, …) ar
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 from typing import Any
@@ -168,8 +169,10 @@ def validate_batch_following(cfg: DictConfig) -> None:
     if not 0 <= t.noise_scale_decay < 1:
         raise UserError(f"trainer.noise_scale_decay={t.noise_scale_decay} is not valid: expected 0 <= decay < 1 (e.g. "
                         "0.95)")
-    if t.noise_scale and cfg.devices == 1 and cfg.micro_batch != "auto" and cfg.get("batch_schedule") is None and \
-            cfg.get("micro_tokens") is None and derive_accum(cfg.micro_batch, 1, cfg.accum, cfg.global_batch) == 1:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # a torchrun or SLURM world: devices=1 is its default there
+    if t.noise_scale and cfg.devices == 1 and launched == 1 and cfg.micro_batch != "auto" and \
+            cfg.get("batch_schedule") is None and cfg.get("micro_tokens") is None and \
+            derive_accum(cfg.micro_batch, 1, cfg.accum, cfg.global_batch) == 1:
         raise UserError(NOISE_SCALE_NEEDS_TWO)
 
 
