@@ -239,3 +239,13 @@ def test_a_run_trains_on_the_records_truncation_leaves_trained(tmp_path):
     kept = int(re.search(r"(\d+) training samples", log).group(1))
     assert 5 <= kept < 15  # of the 15 records not held out, those that keep a trained token
     assert all(r["elements"] > 0 for r in read_metrics(run)[0])
+
+
+def test_a_malformed_local_file_names_its_line(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    path = tmp_path / "chat.jsonl"
+    path.write_text(good + "\n" + '{"messages": [broken\n' + good + "\n")
+    with pytest.raises(UserError) as info:
+        hf_data(str(path), **common(tmp_path))
+    assert_one_line_user_error(info.value, f"data.train={path} could not be read: line 2 is not a JSON record")
+    assert "HF_HUB_OFFLINE" not in str(info.value)  # a local file: not a dataset name to find in the cache

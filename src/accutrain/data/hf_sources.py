@@ -19,7 +19,7 @@ def require_datasets() -> Any:
     except ImportError:
         raise UserError("data=hf needs the datasets package: pip install 'accutrain[datasets]'") from None
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come back as accutrain's one line
     return datasets
 
 
@@ -52,8 +52,33 @@ def load(datasets: Any, source: str, split: str, cache_dir: Optional[str], key: 
     except (Exception, SystemExit) as e:  # not cached offline, no such split, a malformed file (DatasetGenerationError)
         cause = e.__cause__ or e
         line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        if path.is_file():  # the file itself: where it is malformed, not how datasets are found
+            raise UserError(f"{key}={source} could not be read: {not_json_lines(path) or line[:200]}") from None
         raise UserError(f"{key}={source} could not be loaded ({line[:200]}); a dataset name loads from the local "
                         "cache when HF_HUB_OFFLINE=1 (load it once with network access)") from None
+
+
+def not_json_lines(path: Path) -> Optional[str]:
+    """Where a .json/.jsonl file that is not one JSON document is not JSON lines either: its first line that is not
+    a JSON record (None when every line is one, or the file is not JSON)."""
+    import json
+
+    if BUILDERS.get(path.suffix) != "json":
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        json.loads(text)
+        return None  # one JSON document: datasets' complaint stands
+    except ValueError:
+        pass
+    for number, raw in enumerate(text.splitlines(), 1):
+        try:
+            if raw.strip():
+                json.loads(raw)
+        except ValueError as e:
+            return f"line {number} is not a JSON record ({e}): each line must hold one JSON object"
+    return None
 
 
 def without_blank_lines(datasets: Any, path: Path, cache_dir: Optional[str]) -> Optional[Path]:
