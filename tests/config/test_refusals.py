@@ -95,7 +95,7 @@ OTHERS = {
         "data._target_=baddata.make"], ["the data baddata.make raised ValueError: the csv has no column 'label'"]),
     "a malformed .csv file": ({"bad.csv": 'text,label\n"unterminated,1\n'}, ["model=hf_causal_lm",
         "+model.config.model_type=gpt2", "data=hf", "data.train=bad.csv", "data.cache_dir=hf-cache"],
-        ["data.train=bad.csv could not be loaded (Error tokenizing data"]),
+        ["data.train=bad.csv could not be read: Error tokenizing data"]),
     "trainer.export=hf with a model that is not Hugging Face's": ({}, [*TINY, "trainer.export=hf"],
         ["trainer.export=hf needs a Hugging Face model"]),
     "a custom loss missing a required argument": ({"mylosses.py": LOSSES}, [*TINY, "loss=custom",
