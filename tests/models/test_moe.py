@@ -10,6 +10,7 @@ import random
 import re
 
 import pytest
+import test_hf
 
 from conftest import (assert_identical, assert_one_line_error, final_weights, killed_at_step, read_metrics, run_cli,
                       run_of, train_here)
@@ -144,20 +145,7 @@ def test_a_dense_model_and_a_negative_weight_are_one_line_before_the_run_directo
         assert not (tmp_path / "run").exists()
 
 
-SLOW_MOE = """
-import time
-from accutrain.models.hf import causal_lm
-
-def net(delay=0.0, **kwargs):
-    model = causal_lm(**kwargs)
-    forward = model.forward
-    def slow(**inputs):
-        if model.training:
-            time.sleep(delay)
-        return forward(**inputs)
-    model.forward = slow
-    return model
-"""
+SLOW_MOE = test_hf.SLOW_HF  # the same slowed-down hf_causal_lm factory (its forward passes aux= on)
 
 
 @pytest.mark.slow
