@@ -4,7 +4,8 @@ import torch
 
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
-from accutrain.core.windows import WindowSampler, epoch_order, rank_share, window_loader, windows_of
+from accutrain.core.windows import WindowSampler, epoch_order, rank_share
+from accutrain.core.loader import window_loader, windows_of
 
 
 def sampler_of(micro_batch, accum, devices=1, rank=0, n=110, seed=0, last_window=LastWindow.step):
@@ -113,7 +114,7 @@ def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
     """A micro-batch of in-memory tensors is taken in one indexing: the very tensors (values, dtype, shape, layout)
     that torch's default collate stacks from the items one by one."""
     from accutrain.core.batches import BatchFormat
-    from accutrain.core.windows import WindowData
+    from accutrain.core.loader import WindowData
     from accutrain.data.datasets import InMemory
 
     g = torch.Generator().manual_seed(0)
@@ -140,7 +141,7 @@ def test_in_memory_micro_batches_are_gathered_bit_for_bit_as_collated():
 def test_the_loader_reads_the_same_batches_in_process_and_in_worker_processes():
     """num_workers=0 reads each micro-batch in this process, without torch's DataLoader; with workers the
     DataLoader reads them. Both yield the same windows and the same tensors, stand-ins included."""
-    from accutrain.core.windows import InProcessLoader
+    from accutrain.core.loader import InProcessLoader
 
     data = torch.utils.data.TensorDataset(torch.randn(35, 6), torch.arange(35))
     sampler = two_ranks_sampler(rank=1)

@@ -317,7 +317,7 @@ def test_the_check_fallback_takes_no_device_memory(bn_model, monkeypatch):
     c = build(run_of(*BN, "micro_batch=8", "accum=4", "+model.backward_limit=8", "trainer.device=cuda"),
               World(), torch.device("cuda"))
     grown = []
-    real_copy = check._cpu_copy
+    real_copy = check.cpu_copy
 
     def measured(model, dtype):
         torch.cuda.synchronize()
@@ -327,7 +327,7 @@ def test_the_check_fallback_takes_no_device_memory(bn_model, monkeypatch):
         grown.append(torch.cuda.max_memory_allocated() - now)
         return out
 
-    monkeypatch.setattr(check, "_cpu_copy", measured)
+    monkeypatch.setattr(check, "cpu_copy", measured)
     before = state_of(c.model)
     assert "the CPU in float64" in run_check(c).lines()[0]
     assert grown and grown[0] == 0

@@ -12,7 +12,8 @@ from accutrain.core.mixing import Mix, Mixer
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.step import accumulate
-from accutrain.core.windows import MicroBatch, Window, WindowData, WindowSampler
+from accutrain.core.windows import MicroBatch, Window, WindowSampler
+from accutrain.core.loader import WindowData
 from accutrain.data import views
 from accutrain.dist import World
 from accutrain.errors import UserError

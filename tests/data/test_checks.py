@@ -11,7 +11,8 @@ from accutrain.config.targets import instantiate
 from accutrain.core.batches import BatchFormat
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
-from accutrain.core.windows import WindowSampler, window_loader
+from accutrain.core.windows import WindowSampler
+from accutrain.core.loader import window_loader
 from accutrain.data.checks import prepare
 from accutrain.data.datasets import Datasets, InMemory, eval_loader
 from accutrain.data.text import text_data

@@ -13,6 +13,7 @@ import torch
 from accutrain.cli.command import check
 from accutrain.errors import UserError
 from accutrain.store import checkpoint, mark, owned, rundir
+from accutrain.store.rotation import Rotation
 from conftest import TINY, assert_one_line_error, assert_one_line_user_error, run_cli, train_here, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=2", "trainer.progress=false"]
@@ -94,7 +95,7 @@ def test_rotation_and_branches_delete_only_in_a_marked_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     mark.write_new(run_dir, "run")
-    rotation = checkpoint.Rotation(run_dir / "checkpoints", keep=1)
+    rotation = Rotation(run_dir / "checkpoints", keep=1)
     rotation.save({"step": 1}, 1)
     rotation.save({"step": 2}, 2)
     assert [p.name for p in rotation.steps()] == ["step-00000002.pt"]  # rotated

@@ -13,6 +13,7 @@ import torch
 from accutrain.cli.command import check
 from accutrain.errors import UserError
 from accutrain.store import checkpoint, mark, rundir
+from accutrain.store.rotation import Rotation
 from conftest import (COMMAND_S, ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics,
                       run_cli, train_here, train_run)
 
@@ -187,7 +188,7 @@ def test_best_pt_failing_is_one_error_line_and_the_run_ends_saved(tmp_path, monk
 
 
 def test_last_pt_failing_leaves_no_temporary_file(tmp_path, monkeypatch):
-    rotation = checkpoint.Rotation(tmp_path, keep=3)
+    rotation = Rotation(tmp_path, keep=3)
     rotation.save({"step": 1}, 1)
     real = os.replace
 

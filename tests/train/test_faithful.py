@@ -12,7 +12,8 @@ from accutrain.core.step import accumulate
 from accutrain.data.datasets import sequences
 from accutrain.models.factories import char_lm, mlp, torchvision_classifier
 from accutrain.models.norms import batchnorm_warning, convert_norm
-from accutrain.train.check import batch_dependent_modules, components_for_check, run_check
+from accutrain.train.check import components_for_check, run_check
+from accutrain.train.check_report import batch_dependent_modules
 from conftest import run_of, TINY, assert_same_weights, final_weights, read_metrics, run_cli, train_here
 
 DIGITS = ["micro_batch=8", "accum=4"]

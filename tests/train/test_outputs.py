@@ -182,7 +182,7 @@ def test_the_long_waits_show_a_bar_on_a_terminal_and_none_in_a_log(monkeypatch):
     import sys
 
     from accutrain.train import console
-    from accutrain.train.loop import measure
+    from accutrain.train.evaluation import measure
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from accutrain.core.loss import Loss
-from accutrain.core.windows import Window, WindowData, WindowSampler
+from accutrain.core.windows import Window, WindowSampler
+from accutrain.core.loader import WindowData
 
 
 class TermCounts:

@@ -26,7 +26,7 @@ from accutrain.run.scheduler import launcher_name
 from accutrain.run.session import train_rank
 from accutrain.seeding import deterministic_algorithms
 from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, die_with_parent, signal_numbers
-from accutrain.store import checkpoint
+from accutrain.store.rotation import Rotation
 from accutrain.train.loop import Outcome
 
 log = logging.getLogger("accutrain")
@@ -211,7 +211,7 @@ def signal_name(number: int) -> str:
 def newest_checkpoint(args: tuple) -> str:
     """What resume=auto would continue from in the run directory among `args` (train_rank's: cfg, run_dir, …)."""
     run_dir = next((a for a in args if isinstance(a, Path)), None)
-    steps = checkpoint.Rotation(run_dir / "checkpoints", 1).steps() if run_dir is not None else []
+    steps = Rotation(run_dir / "checkpoints", 1).steps() if run_dir is not None else []
     return (f"resume=auto continues from its newest checkpoint, {steps[0]}" if steps else
             "no checkpoint was written before it")
 

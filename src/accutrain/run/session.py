@@ -20,7 +20,8 @@ from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
 from accutrain.run.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
-from accutrain.store import checkpoint, owned
+from accutrain.store import owned
+from accutrain.store.rotation import Rotation
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
 from accutrain.store.weights import WEIGHTS_FILE, save_weights
@@ -136,7 +137,7 @@ class Checkpoints:
 
     def __init__(self, parts: Components, directory: Path, trackers: Trackers) -> None:
         self.parts, self.trackers = parts, trackers
-        self.rotation = checkpoint.Rotation(directory, parts.trainer.keep_checkpoints)
+        self.rotation = Rotation(directory, parts.trainer.keep_checkpoints)
         self.failure: Optional[str] = None  # why the latest checkpoint could not be written
         self.failed: list[int] = []  # the optimizer steps whose checkpoint could not be written, this session
 
@@ -217,7 +218,7 @@ def for_evaluation(state: dict) -> dict:
     return {key: value for key, value in state.items() if key not in RESUME_ONLY}
 
 
-def warn_if_disk_is_short(parts: Components, rotation: checkpoint.Rotation) -> None:
+def warn_if_disk_is_short(parts: Components, rotation: Rotation) -> None:
     """A warning when the disk holding checkpoints/ has less room than the checkpoints kept at once will take (the
     weights and up to twice as much optimizer state each, keep_checkpoints + the one being written)."""
     weights = sum(t.numel() * t.element_size() for t in parts.model.state_dict().values())

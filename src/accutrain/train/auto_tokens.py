@@ -73,7 +73,7 @@ def auto_micro_tokens(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim
 
         multiple, notes = search_multiple(most, shown)
     found = multiple * tokens.longest
-    log.info(f"micro_tokens=auto: trial steps "
+    log.info("micro_tokens=auto: trial steps "
              + "; ".join(f"{m * tokens.longest}: {note}" for m, note in notes))
     if world.size > 1:  # every rank tried on its own device: the budget that fits on all of them
         found = int(dist.all_reduce_min(torch.tensor(found, device=device), world).item())

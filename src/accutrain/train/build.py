@@ -26,7 +26,8 @@ from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use
 from accutrain.core.token_budget import TokenLengths
 from accutrain.core.streams import StreamSampler
-from accutrain.core.windows import WindowSampler, window_loader
+from accutrain.core.windows import WindowSampler
+from accutrain.core.loader import window_loader
 from accutrain.data import datasets as data
 from accutrain.data import checks as data_checks
 from accutrain.data.lengths import token_lengths

@@ -18,7 +18,8 @@ from accutrain.core.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision
 from accutrain.core.streams import StreamSampler
-from accutrain.core.windows import InProcessLoader, WindowSampler
+from accutrain.core.windows import WindowSampler
+from accutrain.core.loader import InProcessLoader
 from accutrain.dist import World
 from accutrain.models.ema import EMA
 from accutrain.parallel.strategy import Strategy

@@ -18,6 +18,7 @@ from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.models import adapters
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint, rng
+from accutrain.store.rotation import Rotation
 from accutrain.store.files import read_jsonl, write_atomic
 from accutrain.train.components import Components
 
@@ -85,7 +86,7 @@ def find_resume(cfg: TrainConfig, run_dir: Path, passed: Optional[set[Path]] = N
             raise UserError(f"resume={cfg.resume}: no such checkpoint file or run directory")
         else:
             return where
-    found = checkpoint.Rotation(where, cfg.trainer.keep_checkpoints).latest_good(passed)
+    found = Rotation(where, cfg.trainer.keep_checkpoints).latest_good(passed)
     if found is None:
         if cfg.resume != "auto":
             raise UserError(f"resume={cfg.resume}: no readable checkpoint in {where}")
@@ -242,9 +243,9 @@ def keep_metrics_until(path: Path, step: int, aside: Optional[Path] = None) -> N
 
 def start_branch(run_dir: Path, step: int, resumed: bool) -> None:
     """This run goes on from optimizer step `step` (0: from scratch) in run_dir: the checkpoints of later steps are
-    set aside (checkpoint.Rotation.set_aside) with the records metrics.jsonl holds of those steps; without them, what
+    set aside (Rotation.set_aside) with the records metrics.jsonl holds of those steps; without them, what
     a killed run logged after its checkpoint is dropped, or (from scratch) what a run before it logged."""
-    aside = checkpoint.Rotation(run_dir / "checkpoints", 0).set_aside(step)
+    aside = Rotation(run_dir / "checkpoints", 0).set_aside(step)
     if aside is not None:
         log.warning(f"this run goes on from optimizer step {step}, and {run_dir / 'checkpoints'} held checkpoints of "
                     f"later steps (another branch, or unreadable): moved to {aside} (kept; they no longer count "

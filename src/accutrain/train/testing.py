@@ -1,5 +1,5 @@
 """The test stage: once training has ended, the test split (data.test) evaluated with the last weights and with the
-best evaluation's (best.pt), every rank its share, the sums added over ranks and divided once (loop.measure, as
+best evaluation's (best.pt), every rank its share, the sums added over ranks and divided once (evaluation.measure, as
 validation is). One record (kind "test") in metrics.jsonl and the trackers, a line in the log, `test` in
 status.json."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from accutrain.store.progress import Progress
 from accutrain.errors import UserError
 from accutrain.store import checkpoint
 from accutrain.train.components import Components
-from accutrain.train.loop import measure
+from accutrain.train.evaluation import measure
 from accutrain.train.metrics import MetricsLog
 
 log = logging.getLogger("accutrain")
