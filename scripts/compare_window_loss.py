@@ -25,7 +25,7 @@ from torch import nn
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
 from accutrain.core.batches import Batch
-from accutrain.core.contrastive import ContrastiveLoss
+from accutrain.core.losses.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss
 from accutrain.run.launch import train
 

@@ -157,7 +157,7 @@ def window_batches(held: dict[str, list[str]], micro: int, count: int, device: s
 def cost(a: argparse.Namespace, root: Path) -> None:
     """One window held in memory (no data loading), accumulated by each option in turn, `repeats` times: the median
     time per window, and on a GPU the peak memory of each."""
-    from accutrain.core.moe import moe
+    from accutrain.core.losses.moe import moe
     from accutrain.core.precision import make_precision
     from accutrain.models.hf import causal_lm
 

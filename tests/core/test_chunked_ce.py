@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from accutrain.core.chunked_ce import Projection, chunk_size, logits_of
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
 from conftest import final_weights, read_metrics, train_here
 

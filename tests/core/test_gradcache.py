@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from accutrain.core.batches import Batch
-from accutrain.core.contrastive import ContrastiveLoss, Temperature, embed
+from accutrain.core.losses.contrastive import ContrastiveLoss, Temperature, embed
 from accutrain.core.gradcache import accumulate_window_loss, one_pass
 
 CPU = torch.device("cpu")

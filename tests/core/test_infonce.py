@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from accutrain.core.batches import Batch
-from accutrain.core.contrastive import ContrastiveLoss
+from accutrain.core.losses.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss, one_pass
 
 SCALE = 1 / 0.1

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.core import losses
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses import elements as losses
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.train.monitor import Monitor
 from accutrain.core.step import accumulate, evaluate
 from accutrain.errors import UserError

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from accutrain.core.batches import Batch
-from accutrain.core.moe import moe
+from accutrain.core.losses.moe import moe
 from accutrain.core.options import RouterAux
 from accutrain.core.routing import balancing, route, token_rows
 from accutrain.errors import UserError
@@ -251,7 +251,7 @@ def test_a_dense_model_a_router_without_logits_and_one_without_a_loss_of_its_own
 
 
 def test_cross_entropy_on_a_mixture_of_experts_warns_that_nothing_balances_its_router():
-    from accutrain.core.losses import cross_entropy
+    from accutrain.core.losses.cross_entropy import cross_entropy
 
     model = tiny(dtype=torch.float32)
     warnings = cross_entropy(model_defaults=model.loss_defaults).attach(model)

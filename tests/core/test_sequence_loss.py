@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accutrain.core.batches import Batch
-from accutrain.core.loss import SummedLoss, make_loss
+from accutrain.core.losses.cross_entropy import SummedLoss, make_loss
 from accutrain.core.options import Normalize
 from accutrain.core.step import accumulate
 

@@ -3,7 +3,7 @@ micro-batches give, on every rank, under any split — without the window ever b
 import pytest
 import torch
 
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.terms import TermCounts
 from accutrain.core.windows import WindowSampler
 from accutrain.dist import World

@@ -19,7 +19,7 @@ from accutrain.config.targets import instantiate
 from accutrain.config.train import compose as compose_config
 from accutrain.core import grad_buffers
 from accutrain.core.grad_buffers import GradBuffers
-from accutrain.core.loss import make_loss
+from accutrain.core.losses.cross_entropy import make_loss
 from accutrain.core.options import Normalize
 from accutrain.core.precision import make_precision
 from accutrain.store.progress import Progress

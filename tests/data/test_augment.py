@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.mixing import Mix, Mixer
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from accutrain.core.batches import Batch, BatchFormat, PadCollate, stand_in_guard
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.step import accumulate, cut_micro_batches
 from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer

@@ -5,7 +5,7 @@ import torch
 
 from accutrain.core.batches import PadCollate
 from accutrain.core.chunked_ce import logits_of
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.data.packing import pack, packing_mode
 from accutrain.data.text import as_items
 from accutrain.errors import UserError

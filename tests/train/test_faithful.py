@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.core.loss import count_terms, summed_cross_entropy
+from accutrain.core.summing import count_terms, summed_cross_entropy
 from accutrain.core.step import accumulate
 from accutrain.data.datasets import sequences
 from accutrain.models.factories import char_lm, mlp, torchvision_classifier

@@ -7,7 +7,7 @@ import torch
 
 from accutrain.core.batches import FlatCollate, PadCollate
 from accutrain.core.chunked_ce import logits_of
-from accutrain.core.loss import SummedLoss
+from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.token_budget import TokenLengths
 from conftest import final_weights, read_metrics, train_here
 

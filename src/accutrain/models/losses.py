@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional
 from torch import nn
 
 from accutrain.config.targets import accepted, load_target
-from accutrain.core import losses
+from accutrain.core.losses import elements as losses
 from accutrain.core.batches import Batch
 from accutrain.core.loss import Loss
 from accutrain.errors import UserError

@@ -1,5 +1,5 @@
-"""The losses of `loss=` other than cross-entropy, and every option's factory (`loss._target_`): each loss is the sum
-of per-term losses (reduction none) over a micro-batch's counted terms, divided by the window's real count |W| in
+"""The per-term families of `loss=` — mse, l1, huber, bce and a user's own per-term loss (`loss=custom`) — and their
+factories (`loss._target_`): each loss is the sum of per-term losses (reduction none) over a micro-batch's counted terms, divided by the window's real count |W| in
 accutrain.core.step — never a mean of micro-batch means.
 
 A term is a sample (`loss.normalize=samples`: a sample's loss is the sum of its elements' losses) or an element of
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.chunked_ce import logits_of
-from accutrain.core.loss import OnePass, SummedLoss, make_loss
+from accutrain.core.loss import OnePass
 from accutrain.core.options import Normalize
 from accutrain.errors import UserError
 
@@ -141,15 +141,6 @@ def elements_of(normalize: Normalize | str, default: Normalize) -> bool:
     """Whether `loss.normalize` counts elements (auto: the loss's default)."""
     normalize = Normalize(normalize)
     return (default if normalize is Normalize.auto else normalize) in (Normalize.elements, Normalize.tokens)
-
-
-# --- the factories `loss._target_` names: every key of a loss's node is a keyword argument -------------------
-def cross_entropy(normalize: Normalize | str = "auto", ignore_index: int = -100, shift_labels: Optional[bool] = None,
-                  label_smoothing: float = 0.0, model_defaults: Optional[dict] = None) -> SummedLoss:
-    """loss=cross_entropy: classes per sample or per element (tokens), soft targets (MixUp/CutMix), smoothing;
-    `model_defaults` (supplied by the run: the model factory's `loss_defaults`) decide normalize=auto and
-    shift_labels=null."""
-    return make_loss(Normalize(normalize), ignore_index, shift_labels, model_defaults, label_smoothing)
 
 
 def mse(normalize: Normalize | str = "auto", ignore_index: int = -100) -> PerTermLoss:

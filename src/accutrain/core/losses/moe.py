@@ -37,8 +37,8 @@ from torch import nn
 from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
 from accutrain.core.gradcache import on, rng_of, set_rng
-from accutrain.core.loss import SummedLoss, make_loss
-from accutrain.core.moe_checks import check_router, routing_of
+from accutrain.core.losses.cross_entropy import SummedLoss, make_loss
+from accutrain.core.losses.moe_checks import check_router, routing_of
 from accutrain.core.options import Normalize, RouterAux
 from accutrain.core.precision import Precision
 from accutrain.core.routing import Routing, balancing, describe_load, load_figures, route, token_rows
