@@ -93,6 +93,9 @@ class HFColumns:
     anchor: str = "anchor"  # with positive: text pairs (and negatives: triples) for loss=contrastive
     positive: str = "positive"
     negative: Any = "negative"  # a column of one text or a list of texts (mined negatives), or a list of columns
+    chosen: str = "chosen"  # with prompt and rejected: preference pairs (loss=dpo, orpo)
+    rejected: str = "rejected"
+    completion: str = "completion"  # with prompt and label (true/false): feedback records (loss=kto)
 
 
 @dataclass

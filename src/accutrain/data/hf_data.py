@@ -22,6 +22,9 @@ from accutrain.data.hf_records import (ROLES, Reading, class_names, description,
                                        tokenized_split, tokenizer_for)
 from accutrain.data.hf_sources import load, require_datasets
 from accutrain.data.packing import packing_mode, packing_name
+from accutrain.data.preference import PAIRS, PreferenceFields, preference_kind
+from accutrain.data.preference_items import Part, preference_datasets
+from accutrain.data.records import Named, Tally, Where
 from accutrain.data.pairs import PairColumns, is_pairs, pair_datasets, pair_items
 from accutrain.data.pairs import describe as describe_pairs
 from accutrain.data.records import check_truncation, log_tallies
@@ -54,6 +57,9 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
 
         return stream_data(datasets, r)
     source = load(datasets, train, split, cache_dir, "data.train")
+    names = PreferenceFields(roles["prompt"], roles["chosen"], roles["rejected"], roles["completion"], roles["label"])
+    if (preference := preference_kind(source.column_names, names)) is not None:  # loss=dpo, orpo, kto's records
+        return hf_preference(datasets, r, source, preference, names)
     pair_columns = PairColumns(roles["anchor"], roles["positive"], roles["negative"])
     if is_pairs(source.column_names, pair_columns):
         return hf_pairs(datasets, r, source, pair_columns)
@@ -122,3 +128,36 @@ def hf_pairs(datasets: Any, r: Reading, source: Any, columns: PairColumns) -> Da
                                  (lambda i, row=row: row[i] + 1) if row is not None else None))
     return pair_datasets(splits, tok, r.max_length, r.padding, f"hf {r.train} ({describe_pairs(columns, wanted)}; "
                          f"tokenizer {r.tokenizer}, max_length {r.max_length})")
+
+
+def hf_preference(datasets: Any, r: Any, source: Any, kind: str, names: PreferenceFields) -> Datasets:
+    """data=hf's preference records: train (and val, or val_fraction of train held out by the seed; test), each
+    record named by its line (or row) in its file."""
+    if r.packing:
+        raise UserError(f"data.packing={r.packing} packs language-modelling samples; {r.train} holds preference "
+                        "records: use data.packing=false")
+    wanted = [names.prompt, *((names.chosen, names.rejected) if kind == PAIRS else (names.completion, names.label))]
+    train_tally = Tally("data.train", r.train, read=len(source))
+    sources = [(source, list(range(len(source))), train_tally)]
+    if r.val is not None:
+        held = load(datasets, r.val, r.val_split, r.cache_dir, "data.val")
+        sources.append((held, list(range(len(held))), Tally("data.val", r.val, read=len(held))))
+    else:
+        kept, out = (part.tolist() for part in hold_out(len(source), r.val_fraction, r.seed))
+        sources = [(source, kept, train_tally), (source, out, train_tally)]
+        train_tally.held_out = len(out)
+    if r.test is not None:
+        tested = load(datasets, r.test, r.test_split, r.cache_dir, "data.test")
+        sources.append((tested, list(range(len(tested))), Tally("data.test", r.test, read=len(tested))))
+    parts: list[Part] = []
+    for table, rows, tally in sources:
+        missing = [c for c in wanted if c not in table.column_names]
+        if missing:
+            raise UserError(f"{tally.source} has no column {missing[0]!r} (data.columns); its columns are: "
+                            f"{', '.join(table.column_names)}")
+        records = table.select(rows).select_columns(wanted).to_list()
+        where = Where(tally.source)
+        parts.append((records, rows, tally, lambda row, where=where: Named(where, row)))
+    return preference_datasets(parts, kind, names, load_tokenizer(r.tokenizer), r.tokenizer, r.chat_template,
+                               r.max_length, r.padding, r.ignore_index, r.truncation, f"hf {r.train}")
+

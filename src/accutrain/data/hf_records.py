@@ -21,7 +21,8 @@ from accutrain.data.text import encode
 from accutrain.data.tokenizer import fast_byte_tokenizer, load_tokenizer
 from accutrain.errors import UserError
 
-ROLES = ("text", "prompt", "response", "messages", "label", "anchor", "positive", "negative")  # pairs: data/pairs.py
+ROLES = ("text", "prompt", "response", "messages", "label", "anchor", "positive", "negative", "chosen", "rejected",
+         "completion")  # pairs: data/pairs.py
 NEEDS = {"chat": ("messages",), "classes": ("text", "label"), "text": ("text",), "pairs": ("prompt", "response")}
 
 

@@ -88,6 +88,15 @@ def trained(labels: Sequence[int], ignore_index: int) -> int:
     return sum(1 for label in labels[1:] if label != ignore_index)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share: the prompt's tokens inside prompt+response (a token merging the
+    prompt's end with the response's start counts as the response's)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def check_truncation(truncation: str) -> None:
     if truncation not in TRUNCATION:
         raise UserError(f"data.truncation={truncation} is not valid: expected drop (a record that data.max_length "

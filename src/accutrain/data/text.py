@@ -19,9 +19,11 @@ from accutrain.core.batches import FlatCollate, PadCollate
 from accutrain.data.datasets import Datasets
 from accutrain.data.splits import Tokenized
 from accutrain.data.packing import describe, pack, packing_mode, packing_name
+from accutrain.data.preference import PreferenceFields, preference_kind
+from accutrain.data.preference_items import text_preference
 from accutrain.data.pairs import PairColumns, is_pairs, line_numbers, pair_datasets, pair_items
 from accutrain.data.pairs import describe as describe_pairs
-from accutrain.data.records import Tally, Where, check_truncation, kept as kept_samples, log_tallies
+from accutrain.data.records import Tally, Where, check_truncation, common_prefix, kept as kept_samples, log_tallies
 from accutrain.data.tokenizer import load_tokenizer, pad_id
 from accutrain.errors import UserError
 from accutrain.seeding import generator
@@ -135,15 +137,6 @@ def strings(records: list[dict], keys: tuple[str, ...], where: str) -> None:
                                 "string (the text to tokenize)")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share: the prompt's tokens inside prompt+response (a token merging the
-    prompt's end with the response's start counts as the response's)."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def as_items(samples: list[tuple], classes: Optional[list[int]], max_length: int) -> Tokenized:
     """(ids, labels[, document ids]) as items {input_ids, attention_mask, labels[, document_ids]}, truncated."""
     items = []
@@ -183,6 +176,10 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
         tested = read_records(test, "data.test")
         tallies.append(Tally("data.test", test, read=len(tested)))
         parts.append((tested, list(range(len(tested))), tallies[-1]))
+    names = PreferenceFields(prompt=prompt_field, label=label_field or "label")
+    if (kind := preference_kind(list(records[0]), names)) is not None:  # loss=dpo, orpo, kto's records
+        return text_preference(parts, kind, names, tokenizer, max_length, packing, padding, ignore_index, truncation,
+                               train)
     columns = PairColumns(anchor_field, positive_field, negative_field)
     if is_pairs(list(records[0]), columns):
         return text_pairs([(part, tally.source) for part, _, tally in parts], columns, tokenizer, max_length, packing,
