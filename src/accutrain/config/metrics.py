@@ -10,6 +10,11 @@ TASK_METRICS = {
     "multilabel": ("val_loss", "val_f1"),
     "custom": ("val_loss",),
     "contrastive": ("val_loss", "val_recall1", "val_recall10", "val_mrr10", "val_ndcg10"),
+    # temporary rows (issue 50) until the family registry reads each family's metrics from its spec
+    "preference": ("val_loss", "val_rewards_accuracy", "val_rewards_margin", "val_rewards_chosen",
+                   "val_rewards_rejected"),
+    "feedback": ("val_loss", "val_kl", "val_rewards_desirable", "val_rewards_undesirable"),
 }
 METRICS = ("auto", *dict.fromkeys(m + ema for ms in TASK_METRICS.values() for m in ms for ema in ("", "_ema")))
-HIGHER_IS_BETTER = ("val_acc", "val_f1", "val_recall1", "val_recall10", "val_mrr10", "val_ndcg10")
+HIGHER_IS_BETTER = ("val_acc", "val_f1", "val_recall1", "val_recall10", "val_mrr10", "val_ndcg10",
+                    "val_rewards_accuracy", "val_rewards_margin", "val_rewards_desirable")

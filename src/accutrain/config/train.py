@@ -230,6 +230,10 @@ SCHEMAS = {
     ("loss", "bce_schema"): BCELoss,
     ("loss", "contrastive_schema"): ContrastiveLossConfig,
     ("loss", "moe_schema"): MoELossConfig,
+    # temporary registration (issue 50) until the family registry (config/families.py) discovers the *_spec modules
+    ("loss", "dpo_schema"): __import__("accutrain.core.losses.dpo_spec", fromlist=["DPONode"]).DPONode,
+    ("loss", "orpo_schema"): __import__("accutrain.core.losses.dpo_spec", fromlist=["ORPONode"]).ORPONode,
+    ("loss", "kto_schema"): __import__("accutrain.core.losses.kto_spec", fromlist=["KTONode"]).KTONode,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,

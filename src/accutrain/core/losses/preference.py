@@ -80,18 +80,22 @@ class PreferenceLoss:
     def probe(self, batch: Batch) -> Batch:
         """One sequence per row (a pair's chosen; a feedback record's prompt + completion), its labels the target."""
         role = self.item_keys[0].rsplit(".", 1)[0] if "." in self.item_keys[0] else ""
-        if not isinstance(batch.inputs, Mapping) or self.item_keys[0] not in batch.inputs:
-            return batch
+        self.check_keys(batch, "")
         labels = batch.inputs[f"{role}.labels" if role else "completion.labels"]
         return Batch(role_inputs(batch.inputs, role), labels, batch.stand_in)
 
-    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
-        """The data holds what the family takes, and the model gives one logit per token of its vocabulary."""
+    def check_keys(self, batch: Batch, data: str) -> None:
+        """One line when the data's items are not the family's records."""
         keys = list(batch.inputs) if isinstance(batch.inputs, Mapping) else []
         if any(key not in keys for key in self.item_keys):
             have = ", ".join(keys) if keys else f"inputs of shape {tuple(getattr(batch.inputs, 'shape', ()))}"
-            raise UserError(f"loss={self.name} trains on {self.wanted}; this data ({data}) gives {have}: give such "
-                            "records (data=text data.train=<.jsonl>, or data=hf), or another loss")
+            raise UserError(f"loss={self.name} trains on {self.wanted}; this data{f' ({data})' if data else ''} "
+                            f"gives {have}: give such records (data=text data.train=<.jsonl>, or data=hf), or another "
+                            "loss")
+
+    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
+        """The data holds what the family takes, and the model gives one logit per token of its vocabulary."""
+        self.check_keys(batch, data)
         probe = self.probe(batch)
         with torch.no_grad():
             output = probe.forward(getattr(model, "module", model))
