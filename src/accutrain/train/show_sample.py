@@ -48,6 +48,9 @@ def show_sample(cfg: TrainConfig, index: int) -> str:
         raise UserError(f"--show-sample={index}: the training split has {len(train)} samples (0 to {len(train) - 1})")
     else:
         item, of = train[index], str(len(train))
+    if tok is not None and isinstance(item, dict) and ("chosen.input_ids" in item or "completion.labels" in item):
+        return preference_sample(item, tok, cfg.loss.get("ignore_index", -100),
+                                 f"training sample {index} of {of}, data {datasets.description}")
     if tok is None or not isinstance(item, dict) or "input_ids" not in item or item["labels"].dim() != 1:
         raise UserError("--show-sample shows a language-modelling sample of tokenized text (data=text, data=hf); "
                         f"this data ({cfg.data.target}) has none")
@@ -78,3 +81,29 @@ def show_sample(cfg: TrainConfig, index: int) -> str:
             f"{sum(counted)} counted in the loss, between {OPEN} and {CLOSE}; the rest is context"
             + (f"; {len(starts)} packed documents" if documents is not None else ""))
     return head + "\n" + "".join(rendered)
+
+
+def marked(tok: Any, ids: list[int], counted: list[bool]) -> str:
+    """The tokens' text, the runs of counted ones between ⟦ and ⟧."""
+    out = []
+    for flag, run in itertools.groupby(zip(ids, counted), key=lambda pair: pair[1]):
+        body = decode(tok, [token for token, _ in run])
+        out.append(f"{OPEN}{body}{CLOSE}" if flag else body)
+    return "".join(out)
+
+
+def preference_sample(item: dict, tok: Any, ignore_index: int, head: str) -> str:
+    """A preference record as the loss reads it: a pair's chosen and rejected sequences (or a feedback record's
+    completion, with its label), the completion tokens whose log-probabilities the loss takes between ⟦ and ⟧."""
+    if "chosen.input_ids" in item:
+        roles = [("chosen", item["chosen.input_ids"], item["chosen.labels"]),
+                 ("rejected", item["rejected.input_ids"], item["rejected.labels"])]
+    else:
+        label = "desirable" if int(item["desirable"]) else "undesirable"
+        roles = [(f"completion ({label})", item["input_ids"], item["completion.labels"])]
+    parts = [head]
+    for role, ids, labels in roles:
+        counted = [label != ignore_index for label in labels.tolist()]
+        parts.append(f"── {role}: {len(ids)} tokens, {sum(counted[1:])} in its log-probability, between {OPEN} and "
+                     f"{CLOSE} ──\n{marked(tok, ids.tolist(), counted)}")
+    return "\n".join(parts)
