@@ -70,7 +70,8 @@ class PairLoss(PreferenceLoss):
         return Pairs(logps[0], logps[1], *(refs or [None, None]), counts[0], counts[1]), outputs
 
     def objective(self, p: Pairs, scale: float, nll_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this micro-batch's share of L(W) × world, its part before the scale: Σ ℓ_p + α N... for the record)."""
+        """(this micro-batch's share of L(W) × world — `scale` = world/|W|, `nll_scale` = world/N_c — and its pairs'
+        summed loss Σ ℓ_p, for the record)."""
         if self.kind == "orpo":
             losses, _ = odds_ratio_losses(self.beta, p)
         else:
