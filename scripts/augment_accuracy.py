@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+import accutrain
+
 SHAPES = ("circle", "square", "triangle", "cross")
 
 
@@ -76,10 +78,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from accutrain.config.train import compose
-    from accutrain.config.validate import typed_run
-    from accutrain.run.launch import train
-
     torch.set_num_threads(1)
     print(f"$ python scripts/augment_accuracy.py {' '.join(sys.argv[1:])}".rstrip())
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                 for seed in args.seeds:
                     run = Path(tmp) / "runs" / f"{recipe}-{split}-{seed}".replace(" ", "_")
                     run.mkdir(parents=True)
-                    train(typed_run(compose(*common, *overrides, *cut, f"seed={seed}")), run)
+                    accutrain.run(*common, *overrides, *cut, f"seed={seed}", run_dir=run)
                     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                              if '"val_acc"' in line]
                     accs.append(evals[-1]["val_acc"])

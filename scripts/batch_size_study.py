@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from accutrain.config.train import compose
-from accutrain.config.validate import typed_run
-from accutrain.run.launch import train
+import accutrain
+
 
 COMMON = ["model=cnn", "optim=adamw", "optim.lr=1e-3", "scaling.base_batch=64", "trainer.progress=false",
           "loader.num_workers=0"]
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             run_dir = Path(tmp) / name.replace("/", "_")
             run_dir.mkdir()
             cpu, wall = time.process_time(), time.perf_counter()
-            train(typed_run(compose(*COMMON, *RUNS[name], f"trainer.epochs={args.epochs}")), run_dir)
+            accutrain.run(*COMMON, *RUNS[name], f"trainer.epochs={args.epochs}", run_dir=run_dir)
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in records if "loss" in r]

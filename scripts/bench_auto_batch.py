@@ -19,8 +19,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from accutrain.config.train import TrainConfig, compose
-from accutrain.config.validate import typed_run
+import accutrain
+from accutrain.config.train import TrainConfig
 from accutrain.train.memory import is_oom
 from accutrain.dist import World
 from accutrain.train.build import build
@@ -34,7 +34,7 @@ def run_config(overrides: list[str], micro_batch: int | None = None) -> TrainCon
     if micro_batch is not None:
         overrides = [*(o for o in overrides if not o.startswith(("micro_batch=", "global_batch="))),
                      f"micro_batch={micro_batch}", f"global_batch={micro_batch}"]
-    return typed_run(compose(*overrides))
+    return accutrain.compose(*overrides)
 
 
 def hand_step_fits(cfg, size: int) -> bool:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+import accutrain
+
 WORDS = "the of and to in is was for on that with as by at from his her an are were which this be or had".split()
 
 
@@ -67,13 +69,10 @@ def common(args: argparse.Namespace, work: Path) -> list[str]:
 
 def run_accutrain(overrides: list[str], work: Path, name: str) -> list[dict]:
     """One in-process accutrain run in a new directory under `work`: its optimizer steps' records (metrics.jsonl)."""
-    from accutrain.config.train import compose
-    from accutrain.config.validate import typed_run
-    from accutrain.run.launch import train
 
     run_dir = work / f"{name}-{time.monotonic_ns()}"
     run_dir.mkdir()
-    train(typed_run(compose(*overrides)), run_dir)
+    accutrain.run(*overrides, run_dir=run_dir)
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 

@@ -29,9 +29,8 @@ def one(variant: str, steps: int, warmup: int, threads: int, overrides: list[str
     import bench_overhead
     import torch
 
-    from accutrain.config.train import compose
-    from accutrain.config.validate import typed_run
-    from accutrain.run.malloc import tune_malloc
+    import accutrain
+    from accutrain.runtime.malloc import tune_malloc
 
     torch.set_num_threads(threads)
     if variant == "accutrain, tuned":
@@ -43,7 +42,7 @@ def one(variant: str, steps: int, warmup: int, threads: int, overrides: list[str
         return stamps[-1][0]
 
     bench_overhead.CLOCK = clock
-    cfg = typed_run(compose("trainer.device=cpu", *overrides))
+    cfg = accutrain.compose("trainer.device=cpu", *overrides)
     run = bench_overhead.accutrain_loop if variant.startswith("accutrain") else bench_overhead.hand_written
     run(cfg, steps, warmup)
     samples = cfg.micro_batch * (cfg.accum or 1) * (steps - warmup - 1)  # full windows (no tail this early)

@@ -42,9 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from accutrain.config.train import compose
+import accutrain
 from accutrain.config.typed import seal
-from accutrain.config.validate import typed_run
 from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.signals import StopRequest
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="accutrain overrides (default: the default job, accum=4)")
     args = ap.parse_args(argv)
     overrides = args.overrides or ["accum=4"]
-    cfg = typed_run(compose(f"trainer.device={args.device}", *overrides))
+    cfg = accutrain.compose(f"trainer.device={args.device}", *overrides)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:

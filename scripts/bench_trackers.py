@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from accutrain.config.train import compose
-from accutrain.config.validate import typed_run
+import accutrain
 from accutrain.core.plan import make_plan
 from accutrain.trackers import RunEnd, Trackers, scalars
 
@@ -35,7 +34,7 @@ def time_tracker(name: str, root: Path, steps: int) -> float:
     """ms per optimizer step of logger=<name> (start and finish not timed)."""
     run_dir = root / f"{name}-{time.monotonic_ns()}"
     run_dir.mkdir()
-    cfg = typed_run(compose(f"logger={name}", "debug=fast"))
+    cfg = accutrain.compose(f"logger={name}", "debug=fast")
     trackers = Trackers.build(cfg, run_dir)
     plan = make_plan(micro_batch=8, accum=4, devices=1, global_batch=None, train_size=32 * steps,
                      last_window=cfg.trainer.last_window, epochs=1, max_steps=None)

@@ -22,18 +22,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from accutrain.config.train import compose
-from accutrain.config.validate import typed_run
+import accutrain
 from accutrain.core.batches import Batch
 from accutrain.core.losses.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss
-from accutrain.run.launch import train
 
 
 def run(args: list[str], run_dir: Path) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
     """Train in this process; (final weights, step records, evaluation records)."""
     run_dir.mkdir(parents=True)
-    train(typed_run(compose(*args, "trainer.progress=false")), run_dir)
+    accutrain.run(*args, "trainer.progress=false", run_dir=run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     weights = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
     return weights, [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]

@@ -42,7 +42,7 @@ fi
 if ! $PY -c "import accutrain" 2>/dev/null; then
     export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"  # configs/ is found beside src/ in a checkout
 fi
-if ! $PY -c "import accutrain.run.launch" 2>"$OUT/import.log"; then
+if ! $PY -c "import accutrain.runtime.launch" 2>"$OUT/import.log"; then
     echo "accutrain does not import: $(tail -1 "$OUT/import.log") (pip install -e \".[dev]\", or WHEELS=dir)" >&2
     exit 2
 fi

@@ -35,12 +35,10 @@ import hydra
 import torch
 from omegaconf import OmegaConf
 
-from accutrain.config.train import compose
-from accutrain.config.validate import typed_run
+import accutrain
 from accutrain.core.batches import Batch, BatchFormat, PadCollate
 from accutrain.core.routing import load, route, token_rows
 from accutrain.data.tokenizer import ByteTokenizer
-from accutrain.run.launch import train
 
 DOMAINS = ("sums", "dna", "english", "code")
 WORDS = {"noun": "cat dog bird fish child river stone cloud".split(), "verb": "sees finds likes follows hears".split(),
@@ -91,7 +89,7 @@ def command(a: argparse.Namespace, data: Path, mode: str, seed: int) -> list[str
 
 def trained(args: list[str], run_dir: Path) -> tuple[list[dict], list[dict]]:
     run_dir.mkdir(parents=True)
-    train(typed_run(compose(*args)), run_dir)
+    accutrain.run(*args, run_dir=run_dir)
     records = [json.loads(text) for text in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r.get("kind") == "step"], [r for r in records if r.get("kind") == "eval"]
 

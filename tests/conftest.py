@@ -26,7 +26,7 @@ from PIL import Image
 
 from accutrain.config.train import compose as compose_config
 from accutrain.config.validate import typed_run
-from accutrain.run.launch import train
+from accutrain.runtime.launch import train
 
 # Each test process (pytest-xdist runs one per core) computes on one thread, and so does each accutrain it starts:
 # several processes each spinning up threads for every core would slow one another down many times over.

@@ -1,8 +1,10 @@
 """The package's architecture, checked: subpackages in layers, a lower layer never importing a higher one (imports
-inside functions included), no cycle between modules, `core` free of Hydra and OmegaConf, no module past its size."""
+inside functions included), no cycle between modules, `core` free of Hydra and OmegaConf, the loop free of both, no
+loss family (or model) dispatched by its name or module outside config/ and core/, no module past its size."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +13,9 @@ import accutrain
 
 PACKAGE = Path(accutrain.__file__).parent
 # Bottom to top. "leaf" is the shared modules at the top of the package (errors, signals, seeding, dist).
-LAYERS = ["leaf", "core", "config", "store", "models", "data", "parallel", "report", "trackers", "train", "run", "cli"]
+LAYERS = ["leaf", "core", "config", "store", "models", "data", "parallel", "report", "trackers", "train", "runtime", "cli"]
 LEAVES = {"__init__", "__main__", "errors", "signals", "seeding", "dist"}
-MAX_LINES = 300
+MAX_LINES = 270  # with room to spare below 300
 
 
 def modules() -> dict[str, Path]:
@@ -48,11 +50,15 @@ def test_every_subpackage_has_a_layer():
     assert leaves <= LEAVES, f"a module at the top of the package that is not a shared leaf: {leaves - LEAVES}"
 
 
+# The package's face: `accutrain.run` and `accutrain.compose` reach the public API (cli/api.py) when called.
+PUBLIC = {("accutrain.__init__", "accutrain.cli.api")}
+
+
 def test_a_lower_layer_never_imports_a_higher_one():
     upward = [f"{module} ({layer(module)}) imports {target} ({layer(target)}), line {line}"
               for module, path in modules().items() if not module.endswith("__main__")
               for target, line in imports(path)
-              if LAYERS.index(layer(target)) > LAYERS.index(layer(module))]
+              if LAYERS.index(layer(target)) > LAYERS.index(layer(module)) and (module, target) not in PUBLIC]
     assert not upward, "\n".join(upward)
 
 
@@ -99,11 +105,32 @@ def test_only_the_command_line_and_the_config_import_hydra_or_omegaconf():
     assert not found, "\n".join(found)
 
 
-def test_importing_the_loop_loads_no_hydra():
-    """The loop (and so the build, the loss protocol, the step) runs without Hydra loaded: the config it reads is
-    typed."""
-    code = "import sys, accutrain.train.loop; assert 'hydra' not in sys.modules, 'hydra loaded'; print('ok')"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+def test_importing_the_loop_loads_neither_hydra_nor_omegaconf():
+    """The loop (and so the build, the loss protocol, the step) runs without Hydra or OmegaConf loaded: the config it
+    reads is typed."""
+    code = ("import sys, accutrain.train.loop\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded
+
+
+# A `_target_` compared by name, or by module prefix: what only the config's registries (accutrain.config.families,
+# model_traits) and the families' own specs in core/ may do.
+DISPATCH = re.compile(r"""\.target\s*[!=]=|\.target\.(?:endswith|startswith)\(|startswith\(["']accutrain\.|"""
+                      r"""_target_["']\]?\)?\s*[!=]=|_target_["']\)?\.(?:endswith|startswith)\(""")
+
+
+def test_no_family_is_dispatched_by_name_outside_the_config_and_core():
+    found = [f"{module}:{number}: {line.strip()}" for module, path in modules().items()
+             if layer(module) not in ("config", "core")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if DISPATCH.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_the_dispatch_pattern_finds_what_it_forbids():
+    for line in ('cfg.loss.target.endswith(".contrastive")', 'c.model.target == "accutrain.models.mlp"',
+                 'target.startswith("accutrain.core.")', 'node["_target_"] == "x"', 'node.get("_target_").endswith("y")'):
+        assert DISPATCH.search(line), line
 
 
 def test_no_module_is_long():

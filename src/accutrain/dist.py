@@ -1,6 +1,6 @@
 """Devices and ranks: the device a run uses, the world of ranks, its process group, reductions, sync counting.
 
-How the ranks are started (in this process, spawned, or by torchrun) is accutrain.run.launch. Only rank 0 writes
+How the ranks are started (in this process, spawned, or by torchrun) is accutrain.runtime.launch. Only rank 0 writes
 logs, metrics and checkpoints.
 """
 from __future__ import annotations

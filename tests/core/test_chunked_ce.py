@@ -2,7 +2,6 @@
 F.cross_entropy in float64, the logits never held whole (a micro-batch's peak memory does not grow with the
 vocabulary × tokens), and whole runs ending with the weights of the full logits, accumulated, on 2 ranks and
 sharded by FSDP."""
-import weakref
 
 import pytest
 import torch

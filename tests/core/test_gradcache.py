@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from accutrain.core.batches import Batch
-from accutrain.core.losses.contrastive import ContrastiveLoss, Temperature, embed
+from accutrain.core.losses.contrastive import ContrastiveLoss, Temperature
+from accutrain.core.losses.window import embed
 from accutrain.core.gradcache import accumulate_window_loss, one_pass
 
 CPU = torch.device("cpu")

@@ -109,6 +109,14 @@ def test_the_formula_is_the_models_own_balancing_loss(model_type):
     assert routed.counts.sum() == 2 * routed.tokens * len(aux["router_logits"])  # top-2 of every real token
 
 
+def close64(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal within 1e-6 of the tensor's largest entry: transformers 5.2x's mixtures of experts take the router's
+    softmax in float32 (`softmax(..., dtype=torch.float)`) even in a float64 model, so the experts' weights carry
+    float32 rounding (measured: 2.5e-8 of the largest entry between splits) — a thousand times below the
+    per-micro-batch objective's difference (> 1e-3, the test below)."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_the_window_in_two_passes_is_the_hand_written_float64_balancing_over_the_window(model_type):
     model, samples = tiny(model_type), window()
@@ -119,9 +127,9 @@ def test_the_window_in_two_passes_is_the_hand_written_float64_balancing_over_the
     for size in (4, 3, 10):  # 4, 4, 2 | 3, 3, 3, 1 | the window whole
         batches = split(samples, size)
         loss.accumulate(model, batches, loss.terms(batches), CPU)
-        torch.testing.assert_close(loss.figures()["router_aux_window"], expected_value.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(loss.figures()["router_aux_window"], expected_value.detach(), rtol=1e-10, atol=0)
         for got, want in zip(grads(model), expected):
-            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-13)
+            close64(got, want)
 
 
 def test_per_micro_batch_balancing_is_not_the_windows_and_equals_it_for_one_micro_batch():
@@ -159,9 +167,9 @@ def test_the_whole_objective_is_the_same_under_any_split_z_loss_included():
     z_alone.accumulate(model, split(samples, 3), loss.terms([padded(samples)]), CPU)
     assert float(z_alone.figures()["router_z"]) > 0
     for total, got in zip(totals[1:], gradients[1:]):
-        torch.testing.assert_close(total, totals[0], rtol=1e-12, atol=0)
+        torch.testing.assert_close(total, totals[0], rtol=1e-10, atol=0)
         for a, b in zip(got, gradients[0]):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13)
+            close64(a, b)
 
 
 def test_a_block_packed_by_documents_balances_as_its_documents_alone():

@@ -28,7 +28,7 @@ from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import norms
-from accutrain.run import launch
+from accutrain.runtime import launch
 from accutrain.signals import StopRequest
 from accutrain.train import auto_batch
 from accutrain.train import build as build_module

@@ -202,7 +202,7 @@ def test_pretrained_normalisation_comes_from_the_weights_metadata(compose):
 ])
 def test_bad_augmentation_input_is_one_line_naming_the_key(tmp_path, args, fragments):
     from accutrain.config.train import compose as compose_config
-    from accutrain.run.launch import train
+    from accutrain.runtime.launch import train
 
     with pytest.raises(UserError) as e:
         train(run_of(*(args if "data=sequences" in args else [*TINY, *args])), tmp_path / "run")
@@ -319,7 +319,7 @@ def test_trivialaugment_on_small_images_is_warned_about_at_start(tmp_path):
 ])
 def test_bad_flip_or_padding_is_one_line(tmp_path, args, fragments):
     from accutrain.config.train import compose as compose_config
-    from accutrain.run.launch import train
+    from accutrain.runtime.launch import train
 
     with pytest.raises(UserError) as e:
         train(run_of(*TINY, *args), tmp_path / "run")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from accutrain.run.scheduler import PORTS
+from accutrain.runtime.scheduler import PORTS
 from conftest import COMMAND_S, ONE_THREAD, SLOW_MODEL, WAIT_S, cli_command
 from docs_blocks import ROOT, all_commands, recipes
 
@@ -153,7 +153,7 @@ def run_sbatch(cluster: Cluster, script: str) -> None:
     requeue the script asks for, then the requeued job (same id), which resumes and completes."""
     path = cluster.work.parent / "job.sh"
     path.write_text(cluster.text(script))
-    # the srun tasks' rendezvous port is derived from the job id (accutrain.run.scheduler.port_for): one free now
+    # the srun tasks' rendezvous port is derived from the job id (accutrain.runtime.scheduler.port_for): one free now
     job = str(free_port(range(*PORTS)) - PORTS[0] + 7 * (PORTS[1] - PORTS[0]))
     tasks = 1 if "torchrun" in script else PROCESSES  # one torchrun per node, or one task per GPU
     batch = dict(SLURM_JOB_ID=job, SLURM_JOBID=job, SLURM_JOB_NODELIST="localhost", SLURM_NNODES="1",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from accutrain.run import malloc
+from accutrain.runtime import malloc
 from conftest import COMMAND_S, ONE_THREAD, TINY, cli_command, train_run
 
 COLUMNS, ROWS = 120, 40

@@ -13,7 +13,7 @@ import torch
 from accutrain import dist
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.run.scheduler import PORTS, adopt_scheduler_world, first_host, slurm_world
+from accutrain.runtime.scheduler import PORTS, adopt_scheduler_world, first_host, slurm_world
 from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, WAIT_S, assert_identical, assert_one_line_error,
                       assert_same_weights, cli_command, final_weights, read_metrics, train_here, wait_for_steps)
 

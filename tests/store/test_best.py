@@ -8,7 +8,7 @@ import torch
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
 from accutrain.errors import UserError
-from accutrain.run.launch import train
+from accutrain.runtime.launch import train
 from conftest import TINY, assert_one_line_user_error, train_here
 
 

@@ -109,7 +109,7 @@ def test_rotation_and_branches_delete_only_in_a_marked_run_directory(tmp_path):
 
 
 def test_a_run_in_process_into_a_folder_of_its_own_is_refused(tmp_path):
-    """accutrain.run.launch.train: the run directory is accutrain's (marked, or new or empty and marked), or
+    """accutrain.runtime.launch.train: the run directory is accutrain's (marked, or new or empty and marked), or
     refused before anything is written."""
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "notes.txt").write_text("mine\n")

@@ -24,7 +24,7 @@ from accutrain.store.progress import Progress
 from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.parallel.strategy import Strategy
-from accutrain.run import malloc, session
+from accutrain.runtime import malloc, session
 from accutrain.signals import StopRequest
 from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
@@ -148,7 +148,7 @@ def test_peak_rss_follows_a_reset():
 
 
 def test_a_forked_process_resets_and_reads_its_own_peak():
-    """A worker forked from the fork server (accutrain.run.launch) measures itself, not the server whose /proc files
+    """A worker forked from the fork server (accutrain.runtime.launch) measures itself, not the server whose /proc files
     it inherited."""
     memory.peak_mb(torch.device("cpu"))  # the /proc files open in this process
     pid = os.fork()
@@ -164,7 +164,7 @@ def test_a_forked_process_resets_and_reads_its_own_peak():
 # --- glibc's allocator ---------------------------------------------------------------------------------------
 FAULTS = """
 import ctypes, resource, sys
-from accutrain.run.malloc import tune_malloc
+from accutrain.runtime.malloc import tune_malloc
 if sys.argv[1] == "tuned":
     print(tune_malloc(), file=sys.stderr)
 libc = ctypes.CDLL(None)

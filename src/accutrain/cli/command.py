@@ -44,7 +44,7 @@ class Decided:
     mode: Optional[tuple[Any]] = None  # (hydra.mode,) as the checks composed it (null is a value): Hydra need not
     # compose again to read it; None where the checks composed nothing
     run: Optional[TrainConfig] = None  # a single run: checked and typed (None for a sweep: each job is checked)
-    ranks: Any = None  # … its device and ranks (accutrain.run.launch.Ranks)
+    ranks: Any = None  # … its device and ranks (accutrain.runtime.launch.Ranks)
     changes: dict[str, record.Changes] = field(default_factory=dict)  # by run dir: what the command wrote there
     # before its job (the claim's), and Hydra's record of an earlier run as it was before Hydra writes over it
     held: set[str] = field(default_factory=set)  # the run directory the command holds (its claim)
@@ -102,7 +102,7 @@ def check_run(cfg: DictConfig, task: DictConfig, decided: Decided, decide: bool)
         decided.place.made = [folder for folder in made if not folder.exists()]
         owned.check_tracker_paths(run_dir, loggers(run), run.resume)
     check_plugins(run)
-    from accutrain.run.launch import place
+    from accutrain.runtime.launch import place
 
     decided.run, decided.ranks = run, place(run)
     if not decide:

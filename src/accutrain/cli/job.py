@@ -21,7 +21,7 @@ from accutrain.config.train import TrainConfig
 from accutrain.config.validate import typed_run
 from accutrain.errors import Preempted, RankDied, UserError, one_line
 from accutrain.report.sweep import stopped
-from accutrain.run.scheduler import adopt_scheduler_world
+from accutrain.runtime.scheduler import adopt_scheduler_world
 from accutrain.store import claim, mark, owned, record, rundir
 from accutrain.store.status import Recorded, read_status, recorded, taken_over, write_status
 
@@ -58,7 +58,7 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
     preempted run (trainer.preempt_signals) ends the command, after its checkpoint, with exit code 128 + the signal —
     or, under submitit, is requeued."""
     from accutrain.report.summary import write_loss_plot
-    from accutrain.run.launch import place, train  # imported here so that `--help` and config errors stay fast
+    from accutrain.runtime.launch import place, train  # imported here so that `--help` and config errors stay fast
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)

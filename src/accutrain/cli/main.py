@@ -142,7 +142,7 @@ def main() -> None:
         from accutrain.config.train import config_dir, register_schemas
         from accutrain.errors import UserError, one_line
         from accutrain.report.sweep import failed_jobs
-        from accutrain.run.scheduler import adopt_scheduler_world
+        from accutrain.runtime.scheduler import adopt_scheduler_world
 
         argv = sys.argv[1:]
         try:  # under srun with several tasks: the world SLURM started, as torchrun's variables

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
+from accutrain.config.schemas import MISSING
 
-from omegaconf import II, MISSING
 
 
 # --- data/ --------------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ class SyntheticData(DataConfig):
     num_classes: int = 10
     channels: int = 3
     noise: float = 1.0
-    seed: int = II("seed")
+    seed: int = "${seed}"
     target: str = "classes"  # classes | regression (num_classes floats) | multilabel (multi-hot over num_classes)
     test: int = 0  # generated test samples (0: no test stage)
 
@@ -53,8 +53,8 @@ class SequenceData(DataConfig):
     vocab: int = 24
     min_length: int = 4
     max_length: int = 32  # sequences are padded to this; padded positions are ignored by the loss
-    seed: int = II("seed")
-    pad_target: int = II("loss.ignore_index")
+    seed: int = "${seed}"
+    pad_target: int = "${loss.ignore_index}"
     test: int = 0  # generated test sequences (0: no test stage)
 
 
@@ -75,8 +75,8 @@ class TextData(DataConfig):
     anchor_field: str = "anchor"  # records with an anchor and a positive are pairs (loss=contrastive)
     positive_field: str = "positive"
     negative_field: Any = "negative"  # a field of one text or a list of texts (mined negatives), or several fields
-    seed: int = II("seed")
-    ignore_index: int = II("loss.ignore_index")
+    seed: int = "${seed}"
+    ignore_index: int = "${loss.ignore_index}"
     test: Optional[str] = None  # a test file, evaluated at the end (null: no test stage)
     truncation: str = "drop"  # a record max_length leaves with no trained token: drop (listed in train.log) | error
 
@@ -112,8 +112,8 @@ class HFData(DataConfig):
     padding: str = "longest"
     columns: HFColumns = field(default_factory=HFColumns)
     cache_dir: Optional[str] = None  # where datasets caches what it reads and tokenizes; null: its default
-    seed: int = II("seed")
-    ignore_index: int = II("loss.ignore_index")
+    seed: int = "${seed}"
+    ignore_index: int = "${loss.ignore_index}"
     test: Optional[str] = None  # test records (as train is read), evaluated at the end (null: no test stage)
     test_split: str = "test"  # the split of a dataset name or a DatasetDict directory that test reads
     truncation: str = "drop"  # a record max_length leaves with no trained token: drop (listed in train.log) | error

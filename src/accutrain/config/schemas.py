@@ -1,6 +1,6 @@
 """The schemas of what is trained and how it descends: the config groups `model/`, `augment/`, `optim/`, `sched/` and
 the nodes `batchnorm`, `loader`, `scaling` (the `data/` group's are in accutrain.config.data_schemas, the `loss/`
-group's in accutrain.config.loss_schemas),
+group's are each family's, in accutrain.core.losses' spec modules),
 as dataclasses in Hydra's ConfigStore (accutrain.config.train registers them with the others), so that an unknown
 key or a wrong type is refused by name when the config is composed.
 """
@@ -10,9 +10,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
 
 from accutrain.core.options import Beta2Scaling, LRScaling, MixMode
+
+MISSING = "???"  # a value the user must give: OmegaConf reads this string as missing (omegaconf.MISSING)
 
 
 class Norm(enum.Enum):

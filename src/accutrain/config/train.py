@@ -1,5 +1,6 @@
 """The typed config: the trainer's and the top level's schemas, those of `strategy/`, `logger/` and
-`batch_schedule/` (the model, data, augment, optim, sched and loss schemas are in accutrain.config.schemas), registering
+`batch_schedule/` (the model, augment, optim and sched schemas are in accutrain.config.schemas, the data's in
+accutrain.config.data_schemas, the loss families' in their specs: accutrain.config.families), registering
 them all in Hydra's ConfigStore, where the yaml files live, and composing them.
 
 Every built-in group option (`configs/model/*.yaml`, …) starts from one of these schemas, so an unknown key
@@ -12,20 +13,21 @@ import enum
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from omegaconf import MISSING, DictConfig
 
 from accutrain.config.data_schemas import (DigitsData, HFData, ImageFolderData, SequenceData, SyntheticData, TextData,
                                            TorchvisionData)
-from accutrain.config.loss_schemas import (BCELoss, ContrastiveLossConfig, ElementLoss, HuberLoss, LossConfig,
-                                           MoELossConfig)
+from accutrain.config import families
 from accutrain.config.renames import renamed
-from accutrain.config.schemas import (AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
+from accutrain.config.schemas import (MISSING, AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
                                       CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
                                       MLPModel,
                                       ScalingConfig, SGDOptim, TorchvisionModel)
 from accutrain.core.options import LastWindow
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 class OnNonFinite(enum.Enum):
@@ -182,7 +184,7 @@ class TrainConfig:
     sched: Any = MISSING
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     strategy: Any = MISSING
-    loss: Any = MISSING  # loss=cross_entropy|bce|mse|l1|huber|custom|contrastive|moe (configs/loss/)
+    loss: Any = MISSING  # loss=<family> (configs/loss/; the families: accutrain.config.families)
     batchnorm: BatchNormConfig = field(default_factory=BatchNormConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -224,16 +226,6 @@ SCHEMAS = {
     ("strategy", "fsdp_schema"): FSDPStrategy,
     ("batch_schedule", "schedule_schema"): BatchScheduleConfig,
     ("augment", "augment_schema"): AugmentConfig,
-    ("loss", "cross_entropy_schema"): LossConfig,
-    ("loss", "element_schema"): ElementLoss,
-    ("loss", "huber_schema"): HuberLoss,
-    ("loss", "bce_schema"): BCELoss,
-    ("loss", "contrastive_schema"): ContrastiveLossConfig,
-    ("loss", "moe_schema"): MoELossConfig,
-    # temporary registration (issue 50) until the family registry (config/families.py) discovers the *_spec modules
-    ("loss", "dpo_schema"): __import__("accutrain.core.losses.dpo_spec", fromlist=["DPONode"]).DPONode,
-    ("loss", "orpo_schema"): __import__("accutrain.core.losses.dpo_spec", fromlist=["ORPONode"]).ORPONode,
-    ("loss", "kto_schema"): __import__("accutrain.core.losses.kto_spec", fromlist=["KTONode"]).KTONode,
     ("logger", "csv_schema"): CSVTracker,
     ("logger", "tensorboard_schema"): TensorBoardTracker,
     ("logger", "mlflow_schema"): MLflowTracker,
@@ -254,7 +246,7 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    for (group, name), node in SCHEMAS.items():
+    for (group, name), node in {**SCHEMAS, **families.schemas()}.items():
         cs.store(group=group, name=name, node=node)
 
 

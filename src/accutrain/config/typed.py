@@ -12,12 +12,14 @@ import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config.train import GROUP_NODES, TrainConfig
 from accutrain.errors import UserError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 Supplied = dict[str, dict[str, Any]]  # node (data, model, sched) → the arguments the run supplied to its factory
 
@@ -45,6 +47,8 @@ class Factory:
 
 def typed(cfg: DictConfig) -> TrainConfig:
     """The composed task config (without `hydra`, every value set and resolvable) as a frozen TrainConfig."""
+    from omegaconf import OmegaConf  # (here: the typed run's readers below the command line never load it)
+
     nodes = {name: factory(name, cfg[name]) for name in GROUP_NODES if name not in ("strategy", "logger")}
     loggers = {key: factory(f"logger.{key}", node) for key, node in (cfg.get("logger") or {}).items()}
     made = OmegaConf.to_object(cfg)
@@ -56,6 +60,8 @@ def typed(cfg: DictConfig) -> TrainConfig:
 
 def factory(key: str, node: Any) -> Factory:
     """A factory node as composed — every key it holds, a plug-in's own included — as a Factory."""
+    from omegaconf import DictConfig, OmegaConf
+
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else None
     if not isinstance(values, dict) or not isinstance(values.get("_target_"), str):
         raise UserError(f"{key} is not a {'tracker' if key.startswith('logger.') else 'factory'}: expected "
@@ -150,4 +156,6 @@ def to_yaml(cfg: TrainConfig, supplied: Supplied) -> str:
     """config.yaml: the run's config with the arguments it supplied in their nodes (hydra.utils.instantiate rebuilds
     each part from it alone), and those arguments again under `supplied` — what the run added to the command's
     config (.hydra/config.yaml): instantiate(hydra_cfg.model, **supplied.model) builds the same model."""
+    from omegaconf import OmegaConf
+
     return OmegaConf.to_yaml(OmegaConf.create({**with_supplied(cfg, supplied), "supplied": thaw(supplied)}))

@@ -15,7 +15,7 @@ from accutrain.config.refusals import refuse_combinations
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import typed
 from accutrain.config.validate_values import check_values
-from accutrain.config.metrics import METRICS
+from accutrain.config import families
 from accutrain.core.options import Beta2Scaling, LRScaling
 from accutrain.core.plan import derive_accum, window_split
 from accutrain.errors import UserError
@@ -113,8 +113,8 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"trainer.ema={t.ema} is not valid: expected a decay between 0 and 1 (e.g. 0.999) or null")
     if t.ema_device not in (None, "cpu"):
         raise UserError(f"trainer.ema_device={t.ema_device} is not valid: expected cpu or null (beside the weights)")
-    if t.monitor not in METRICS:
-        raise UserError(f"trainer.monitor={t.monitor} is not valid: expected one of {', '.join(METRICS)}")
+    if t.monitor not in families.metrics():
+        raise UserError(f"trainer.monitor={t.monitor} is not valid: expected one of {', '.join(families.metrics())}")
     if t.monitor.endswith("_ema") and t.ema is None:
         raise UserError(f"trainer.monitor={t.monitor} is never measured without an average of the weights: set "
                         f"trainer.ema (e.g. trainer.ema=0.999) or monitor {t.monitor.removesuffix('_ema')}")
@@ -135,7 +135,11 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"augment.views={cfg.augment.views} is not valid: expected 1, or 2 (a pair of views per "
                         "sample)")
     check_values(cfg)
-    refuse_combinations(typed(cfg))
+    run = typed(cfg)
+    family = families.family_of(run.loss)
+    if family is not None and family.values is not None:  # the family's ranges a type cannot express
+        family.values(run.loss.arguments)
+    refuse_combinations(run)
     validate_compile(t)  # last: trainer.compile=true imports torch._dynamo to ask for its backends
 
 
@@ -177,7 +181,7 @@ def validate_batch_following(cfg: DictConfig) -> None:
 
 
 def augment_and_loss(cfg: DictConfig) -> None:
-    """augment.*, loss.label_smoothing and loss=moe's weights: ranges a type cannot express."""
+    """augment.*: ranges a type cannot express."""
     a, key = cfg.augment, "augment"
     if a.padding != "auto" and (isinstance(a.padding, bool) or not isinstance(a.padding, int) or a.padding < 0):
         raise UserError(f"{key}.padding={a.padding} is not valid: expected auto or 0 or more pixels")
@@ -205,15 +209,6 @@ def augment_and_loss(cfg: DictConfig) -> None:
         if not 0 <= a[name] < math.inf:
             raise UserError(f"{key}.{name}={a[name]} is not valid: expected 0 (off) or a positive Beta(α, α) "
                             "parameter (e.g. 0.2 for MixUp, 1.0 for CutMix)")
-    smoothing = cfg.loss.get("label_smoothing", 0.0)  # loss=cross_entropy's
-    if not 0 <= smoothing < 1:
-        raise UserError(f"loss.label_smoothing={smoothing} is not valid: expected 0 <= ε < 1 "
-                        "(e.g. 0.1)")
-    for key in ("router_aux_coef", "router_z_coef"):  # loss=moe's weights
-        weight = cfg.loss.get(key)
-        if weight is not None and not 0 <= weight < math.inf:
-            raise UserError(f"loss.{key}={weight} is not valid: expected a weight of 0 or more"
-                            + (" (null: the model's own router_aux_loss_coef)" if key == "router_aux_coef" else ""))
 
 
 def validate_strategy(cfg: DictConfig) -> None:

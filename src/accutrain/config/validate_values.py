@@ -105,7 +105,7 @@ def check_model(m: DictConfig) -> None:
 def auto_needs_budget(cfg: Any, device_type: str) -> None:
     """micro_batch=auto (micro_tokens=auto) finds its size by trial steps that run out of memory; the CPU has no such error to detect,
     so it needs trainer.memory_budget_mb. Called before PyTorch loads for trainer.device=cpu, and once the device is
-    resolved (accutrain.run.launch.place, still before the run directory is made) for trainer.device=auto."""
+    resolved (accutrain.runtime.launch.place, still before the run directory is made) for trainer.device=auto."""
     for key in ("micro_batch", "micro_tokens"):
         if getattr(cfg, key) == "auto" and device_type == "cpu" and cfg.trainer.memory_budget_mb is None:
             raise UserError(f"{key}=auto on the CPU needs trainer.memory_budget_mb=N: the peak memory (MiB) a "

@@ -14,7 +14,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from accutrain.config.loss_schemas import LossConfig
+from accutrain.config import families
+from accutrain.core.losses.spec import LossNode
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import Factory
 from accutrain.core import samples
@@ -34,14 +35,22 @@ def prepare(made: Any, cfg: TrainConfig) -> tuple[Datasets, BatchFormat]:
     datasets = returned(made, cfg.data.target)
     with same_random_streams():
         first = datasets.train[0]
-    if isinstance(first, dict) and "anchor.input_ids" in first and not cfg.loss.target.endswith(".contrastive"):
+    traits = families.traits_of(cfg.loss)
+    if isinstance(first, dict) and "anchor.input_ids" in first and not traits.pairs:
         raise UserError(f"data {datasets.description} holds text pairs (an anchor, its positive and its negatives per "
-                        f"record), which only loss=contrastive compares; this run's loss is {cfg.loss.target}: set "
-                        "loss=contrastive, or records of another kind")
+                        f"record), which only a loss over pairs compares; this run's loss is "
+                        f"{families.option(cfg.loss)}: set loss=contrastive (or loss=triplet), or records of another "
+                        "kind")
+    preference = "pairs" if "chosen.input_ids" in first else "feedback" if "completion.labels" in first else None
+    if isinstance(first, dict) and preference and traits.task not in ("preference", "feedback"):
+        raise UserError(f"data {datasets.description} holds preference records, which only a preference loss "
+                        f"trains on; this run's loss is {families.option(cfg.loss)}: set "
+                        f"{'loss=dpo (or loss=orpo)' if preference == 'pairs' else 'loss=kto'}, or records of another "
+                        "kind")
     datasets = views.apply(datasets, cfg.augment, cfg.model, cfg.seed,  # training views per (seed, epoch, sample)
                            cfg.augment.views)
     batches = batch_format(cfg.loader, datasets.collate)
-    check_samples(datasets, batches, cfg.loss, cfg.seed)
+    check_samples(datasets, batches, cfg.loss, cfg.seed, traits.class_targets)
     return datasets, batches
 
 
@@ -78,9 +87,10 @@ def same_random_streams() -> Iterator[None]:
     np.random.set_state(state[1])
 
 
-def check_samples(datasets: Datasets, batches: BatchFormat, loss: Factory, seed: int) -> None:
+def check_samples(datasets: Datasets, batches: BatchFormat, loss: Factory, seed: int, classes: bool) -> None:
     """Read the first window's first samples and the held-out split's first, collate them, check their targets
-    (cross-entropy's class indices); scan the targets of a split held in memory in full."""
+    (`classes`: the loss takes class indices, bounded by the data's classes); scan the targets of a split held in
+    memory in full."""
     first = epoch_order(len(datasets.train), seed, 0)[:FIRST_SAMPLES].tolist()
     held_out = list(range(min(len(datasets.val), FIRST_SAMPLES)))
     with same_random_streams():
@@ -90,7 +100,6 @@ def check_samples(datasets: Datasets, batches: BatchFormat, loss: Factory, seed:
         raise UserError(f"training sample {first[0]} and held-out sample 0 differ in shape "
                         f"([{samples.describe_shape(samples.shapes(train[0]))}] and "
                         f"[{samples.describe_shape(samples.shapes(val[0]))}]): the model takes one shape")
-    classes = loss.target.endswith(".cross_entropy")  # other losses check their targets with the model (Loss.check)
     for split, items, indices in (("training", train, first), ("held-out", val, held_out)):
         target = samples.collate(batches, items, split, indices).target
         if classes:
@@ -119,7 +128,7 @@ def check_targets(target: torch.Tensor, indices: Sequence[int], split: str, num_
     if target.dtype not in (torch.int64, torch.uint8):
         raise UserError(f"{what}: cross-entropy takes class indices as torch.long (int64): convert them "
                         "(labels.long())")
-    ignore, default = int(loss.get("ignore_index", LossConfig.ignore_index)), LossConfig.ignore_index
+    ignore, default = int(loss.get("ignore_index", LossNode.ignore_index)), LossNode.ignore_index
     counts_samples = loss.get("normalize", "auto") in (Normalize.auto, Normalize.samples, "auto", "samples")
     if target.dim() == 1 and counts_samples and ignore != default:
         raise UserError(f"loss.ignore_index={ignore} on one class per sample: a sample whose label it is would add "

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import Dataset
 
+from accutrain.config import model_traits
 from accutrain.config.typed import Factory
 from accutrain.config.schemas import Crop
 from accutrain.errors import UserError
@@ -178,7 +179,7 @@ def pretrained_normalisation(model_cfg: Factory, channels: int
                              ) -> Optional[tuple[tuple[float, ...], tuple[float, ...]]]:
     """(mean, std) that a torchvision model's pretrained weights were trained with, from the weights' own transforms
     (for one channel: their average); None for any other model."""
-    if not model_cfg.get("pretrained") or model_cfg.target != "accutrain.models.torchvision_classifier":
+    if not model_traits.imagenet_weights(model_cfg):
         return None
     import torchvision
 

@@ -1,14 +1,14 @@
 """Model factories selected by `model=`: torchvision classifiers by name, small mlp/cnn, or a user `_target_`."""
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from accutrain.config.targets import instantiate, load_target, run_arguments
+from accutrain.config import model_traits
+from accutrain.config.targets import instantiate, run_arguments
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.chunked_ce import Projection
 from accutrain.errors import UserError, one_line
@@ -142,8 +142,7 @@ def data_arguments(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, ex
 def loss_defaults(cfg: Any) -> dict[str, Any]:
     """What the model's factory (or class) says loss.normalize=auto and loss.shift_labels=null become (its
     `loss_defaults`: model=hf_causal_lm's tokens and shifted labels), else nothing."""
-    factory = load_target("model._target_", cfg["_target_"])
-    return dict(inspect.getattr_static(factory, "loss_defaults", {}))  # declared by the factory, not computed
+    return model_traits.loss_defaults(cfg)
 
 
 def build_model(cfg: Any, sample_shape: tuple[int, ...], num_classes: int, extra: Optional[dict] = None,

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from accutrain.config.model_traits import CAUSAL_LM, LOSS_DEFAULTS
 from accutrain.errors import UserError
 from accutrain.models import adapters, empty_rows, heads, hf_keys, moe, neftune, packed
 from accutrain.models import kernels as kernels_module
@@ -114,7 +115,7 @@ class HFCausalLM(HFAdapter):
     inputs, shifted by the loss (loss.shift_labels). Blocks packed by documents (their `document_ids`) get positions
     and attention per document (models/packed.py)."""
 
-    loss_defaults = dict(normalize="tokens", shift_labels=True)
+    loss_defaults = LOSS_DEFAULTS[CAUSAL_LM]
     packs_documents = True
     logits = "full"  # or chunked: a Projection (heads.choose)
     fused = None  # model.kernels' fused cross-entropy for a Projection

@@ -64,7 +64,7 @@ def empty(path: Path) -> bool:
 
 
 def adopt(run_dir: Path) -> None:
-    """A run trained in process (accutrain.run.launch.train, not the command line, which claims its directory before
+    """A run trained in process (accutrain.runtime.launch.train, not the command line, which claims its directory before
     Hydra writes there): run_dir is accutrain's — marked, or new or empty and marked now — or refused in one line
     before anything is written."""
     refuse_foreign(run_dir, "the run directory")

@@ -186,9 +186,6 @@ def make_noise_scale(trainer: TrainerConfig, model: nn.Module, world: World, dev
     """The estimator trainer.noise_scale asks for (None when off); one line for a run it cannot measure."""
     if not trainer.noise_scale:
         return None
-    if elements:
-        raise UserError("trainer.noise_scale=true measures gradients per sample; this loss averages over elements "
-                        "(tokens): set loss.normalize=samples or trainer.noise_scale=false")
     if plan.schedule is None and plan.accum == 1 and world.size == 1:
         raise UserError(NOISE_SCALE_NEEDS_TWO)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -7,6 +7,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from accutrain.config import families, model_traits
+from accutrain.config.refusals import refuse_combinations
 from accutrain.config.train import TrainConfig
 from accutrain.core.batches import BatchFormat
 from accutrain.core.loss import Loss
@@ -37,10 +39,12 @@ def build_model(cfg: TrainConfig, datasets: data.Datasets, batches: BatchFormat,
     defaults = models.loss_defaults(node)
     loss = losses.build_loss(cfg.loss.node(), defaults)
     supplied["loss"] = losses.supplied_arguments(cfg.loss.node(), defaults)
+    if families.family_of(cfg.loss) is None and families.implements(loss):  # a family of the user's, as made
+        refuse_combinations(cfg, families.declared(loss))
     first = batches([datasets.train[i] for i in range(min(2, len(datasets.train)))])
     example = loss.probe(first)  # one input per row: a view of an image pair, an anchor of a text pair
     if isinstance(example.inputs, dict) and "document_ids" in example.inputs and \
-            cfg.model.target.startswith("accutrain.models.") and cfg.model.target != "accutrain.models.hf.causal_lm":
+            model_traits.takes_documents(cfg.model) is False:
         if example.spans is not None:
             raise UserError(f"data.padding=free lays a micro-batch's samples end to end, each keeping its positions "
                             f"and attention to itself, which model {models.model_name(node)} cannot take "

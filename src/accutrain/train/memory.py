@@ -27,7 +27,7 @@ class _PeakRSS:
         self.open()
 
     def open(self) -> None:
-        """Open this process's files; again in a forked child (a worker forked from accutrain.run.launch's fork server),
+        """Open this process's files; again in a forked child (a worker forked from accutrain.runtime.launch's fork server),
         whose inherited descriptors name its parent's: /proc/self is resolved when a file is opened."""
         for fd in (self.clear_refs, self.status):
             if fd is not None:

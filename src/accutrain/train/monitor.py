@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from accutrain.config.metrics import HIGHER_IS_BETTER, TASK_METRICS
+from accutrain.config import families
 from accutrain.errors import UserError
+
 
 def mode_of(metric: str, mode: Optional[str]) -> str:
     """`min` or `max`: as given, else max for accuracies and F1, min for losses and errors."""
-    return mode or ("max" if metric.removesuffix("_ema") in HIGHER_IS_BETTER else "min")
+    return mode or ("max" if metric.removesuffix("_ema") in families.higher_is_better() else "min")
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,10 @@ class Monitor:
     def from_config(cls, trainer: Any, task: str = "classification", auto: str = "val_acc") -> "Monitor":
         """trainer.monitor (`auto`: the loss's choice), checked against what the loss's `task` measures."""
         metric = auto if trainer.monitor == "auto" else trainer.monitor
-        if metric.removesuffix("_ema") not in TASK_METRICS[task]:
+        measured = families.task_metrics().get(task, ("val_loss",))
+        if metric.removesuffix("_ema") not in measured:
             raise UserError(f"trainer.monitor={metric} is not measured for this loss ({task}): expected one of "
-                             f"{', '.join(TASK_METRICS[task])} (or auto)")
+                            f"{', '.join(measured)} (or auto)")
         return cls(metric, mode_of(metric, trainer.monitor_mode), trainer.min_delta, trainer.early_stopping)
 
     def improves(self, value: float, best: Optional[float]) -> bool:

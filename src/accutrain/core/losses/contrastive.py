@@ -20,19 +20,16 @@ the window's memory is its embeddings (N × R × D floats) and one block.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.core.batches import Batch, as_batch
-from accutrain.core.gradcache import accumulate_window_loss, evaluate_window, one_pass, wide
-from accutrain.core.precision import Precision
-from accutrain.errors import UserError
+from accutrain.core.gradcache import wide
+from accutrain.core.losses import contrastive_spec as spec
+from accutrain.core.losses.window import WindowLoss, retrieval_sums
 
 HEAD = "contrastive_logit_scale"  # the learnt temperature, as a parameter of the model (stepped, checkpointed)
 
@@ -50,10 +47,10 @@ class Temperature(nn.Module):
 
 
 @dataclass
-class ContrastiveLoss:
+class ContrastiveLoss(WindowLoss):
     """The loss of `loss=contrastive`. `window`: the loss over the whole window (exact); false: over each
-    micro-batch alone (the naive accumulation, for comparison). A Loss (accutrain.core.loss) whose window is two
-    passes (accutrain.core.gradcache) and whose evaluation takes the whole held-out split as one candidate set."""
+    micro-batch alone (the naive accumulation, for comparison). A WindowLoss: its window is two passes
+    (accutrain.core.gradcache) and its evaluation takes the whole held-out split as one candidate set."""
 
     temperature: float = 0.07
     symmetric: bool = True
@@ -62,20 +59,11 @@ class ContrastiveLoss:
     mask_duplicates: bool = False
     head: Optional[Temperature] = field(default=None, repr=False)  # learn_temperature: set by attach()
     name = "contrastive"
-    elements = False
-    tokens = False
     task = "contrastive"
-    ignore_index = -100
     monitor = "val_ndcg10"
-    min_window = 2  # one pair has no negative: its loss is 0 whatever the weights
-    whole_window = True
-    output = "embeddings"  # the model returns one embedding per input
 
     def scale(self) -> torch.Tensor | float:
         return self.head.scale() if self.head is not None else 1.0 / self.temperature
-
-    def target(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels
 
     # --- the maths -------------------------------------------------------------------------------------------
     def logits(self, embeddings: torch.Tensor, rows: Optional[slice] = None, keys: Optional[torch.Tensor] = None
@@ -111,31 +99,6 @@ class ContrastiveLoss:
             loss = (loss + F.cross_entropy(backward, own, reduction="none")) / 2
         return loss
 
-    def embed(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-              ) -> torch.Tensor:
-        return embed(model, batch, cast)
-
-    def pieces(self, model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-               ) -> list[tuple[slice, Callable[[], torch.Tensor]]]:
-        """Pass 2's forwards of a micro-batch: a text sample's roles one at a time (only one role's activations alive
-        at once: an anchor, positive and negative cost what one text does), image views together."""
-        if not isinstance(batch.inputs, Mapping):
-            return [(slice(None), lambda: embed(model, batch, cast))]
-        n = len(batch.target)
-        return [(slice(j, j + 1), lambda inputs=inputs: one_per_input(
-                    model(**{k: cast(v) for k, v in inputs.items()}), n)[:, None])
-                for j, (_, inputs) in enumerate(roles(batch.inputs))]
-
-    def keys(self, batch: Batch) -> torch.Tensor:
-        """Each candidate's key (N, R − 1): the data's text keys for text pairs, the class for image views. A copy:
-        kept for the whole window, the batch's own target (allocated beside its inputs) would keep the heap from
-        reusing their memory — measured, +840 MiB over a window of 4,096 image pairs."""
-        keys = batch.target.to(torch.int64, copy=True)
-        return keys if keys.dim() == 2 else keys[:, None]
-
-    def empty_rows(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros((0, 2, 1), device=device)
-
     def eval_rows(self, embeddings: torch.Tensor, rows: slice, keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """float64 [summed loss, samples, recall@1, recall@10, reciprocal rank@10, NDCG@10] of the samples `rows`,
         every candidate of `embeddings` (the held-out split's, gathered from every rank) the corpus: the rank of a
@@ -144,12 +107,8 @@ class ContrastiveLoss:
         with torch.no_grad():
             loss = self.per_sample(embeddings, rows, keys)
             forward, positive, _ = self.logits(embeddings, rows, keys)
-            target = forward.gather(1, positive[:, None])
-            rank = 1 + (forward > target).sum(1).double()  # ties count in the positive's favour
-            top10 = rank <= 10
             sums = [loss.double().sum(), torch.tensor(float(len(loss)), dtype=torch.float64, device=loss.device),
-                    (rank <= 1).double().sum(), top10.double().sum(), (top10 / rank).sum(),
-                    (top10 / torch.log2(1 + rank)).sum()]
+                    *retrieval_sums(forward, positive)]
         return torch.stack(sums)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
@@ -159,47 +118,6 @@ class ContrastiveLoss:
         return {"val_loss": loss / n, "val_recall1": hits1 / n, "val_recall10": hits10 / n, "val_mrr10": rr10 / n,
                 "val_ndcg10": ndcg10 / n}
 
-    # --- the Loss protocol ---------------------------------------------------------------------------------------
-    def terms(self, micro_batches: Iterable[Batch | Sequence[torch.Tensor]]) -> int:
-        return sum(len(as_batch(b)) for b in micro_batches)
-
-    def accumulate(self, model: nn.Module, micro_batches: Iterable[Batch | Sequence[torch.Tensor]], terms: int,
-                   device: torch.device, *, world: int = 1, no_sync: Callable[[], ContextManager] = nullcontext,
-                   precision: Optional[Precision] = None, observe: Optional[Callable[[int], None]] = None
-                   ) -> torch.Tensor:
-        """Two passes (gradient caching); `observe` (the noise scale's) never comes: the refusal table refuses it."""
-        return accumulate_window_loss(model, micro_batches, terms, device, self, world=world, no_sync=no_sync,
-                                      precision=precision)
-
-    def evaluate(self, model: nn.Module, loader: Iterable, device: torch.device, precision: Precision,
-                 world: int) -> torch.Tensor:
-        return evaluate_window(model, loader, device, precision, self, world)
-
-    def reference(self, model: nn.Module, batch: Batch, device: torch.device, precision: Precision) -> torch.Tensor:
-        return one_pass(model, batch, len(as_batch(batch)), self, device, precision)
-
-    def probe(self, batch: Batch) -> Batch:
-        """The batch as the model takes it, one input per row: every view of image pairs (each sample's target
-        repeated); the anchors of text pairs."""
-        if isinstance(batch.inputs, Mapping):
-            anchor = {key: value for key, value in roles(batch.inputs)[0][1].items()}
-            return Batch(anchor, batch.target[:, 0] if batch.target.dim() == 2 else batch.target, batch.stand_in)
-        views = batch.inputs.shape[1]
-        return Batch(batch.inputs.flatten(0, 1), batch.target.repeat_interleave(views, 0), batch.stand_in)
-
-    def notes(self, batch: Batch) -> list[str]:
-        return []
-
-    def check(self, model: nn.Module, batch: Batch, data: str) -> None:
-        """The pairs reach the model as pairs, and the model returns an embedding per view."""
-        training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                embed(model, batch)
-        finally:
-            model.train(training)
-
     def attach(self, model: nn.Module) -> list[str]:
         """A learnt temperature becomes a parameter of the model (`contrastive_logit_scale`): the optimizer steps it,
         checkpoints hold it, DDP reduces it."""
@@ -207,63 +125,11 @@ class ContrastiveLoss:
             first = next(model.parameters())
             self.head = Temperature(self.temperature).to(device=first.device, dtype=torch.float32)
             model.register_parameter(HEAD, self.head.logit_scale)  # not a module: an nn.Sequential would call it
-        if not self.window:
-            return ["loss.window=false: each micro-batch's contrastive loss has only its own samples as negatives, so "
-                    "the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)"]
-        return []
-
-    def figures(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def summary(self, figures: dict[str, float]) -> str:
-        return ""
-
-    def components(self) -> dict[str, ContrastiveLoss]:
-        return {}
-
-
-def roles(inputs: Mapping[str, torch.Tensor]) -> list[tuple[str, dict[str, torch.Tensor]]]:
-    """A text sample's roles in order (anchor, positive, negative.0, …) with each one's model inputs: the keys
-    `<role>.<input>` of the batch's mapping, the role's prefix taken off."""
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in inputs.items():
-        role, _, name = key.rpartition(".")
-        found.setdefault(role, {})[name] = value
-    order = {"anchor": 0, "positive": 1}
-    return sorted(found.items(), key=lambda item: (order.get(item[0], 2), item[0].split(".")[-1].zfill(6)))
-
-
-def embed(model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
-    """The micro-batch's embeddings (N, R, D): image views through the model as one batch of N × R, or each text
-    role (anchor, positive, negatives) through the model on its own."""
-    x = batch.inputs
-    if isinstance(x, Mapping):
-        parts = roles(x)
-        if [role for role, _ in parts[:2]] != ["anchor", "positive"] or any(not role for role, _ in parts):
-            raise UserError(f"loss=contrastive needs an anchor and a positive per sample (inputs anchor.*, "
-                            f"positive.*); this data's inputs are {', '.join(x)}: set data.columns.anchor and "
-                            "data.columns.positive (docs/embeddings.md)")
-        out = [one_per_input(model(**{k: cast(v) for k, v in inputs.items()}), len(batch.target)) for _, inputs in
-               parts]
-        return torch.stack(out, 1)
-    if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] < 2:
-        raise UserError("loss=contrastive needs pairs per sample: two views of each image (inputs (samples, 2, …): "
-                        "set augment.views=2, with a random augment=) or text pairs (data.columns.anchor, "
-                        "data.columns.positive)")
-    return one_per_input(model(cast(x.flatten(0, 1))), len(x) * x.shape[1]).unflatten(0, (len(x), x.shape[1]))
-
-
-def one_per_input(out: Any, n: int) -> torch.Tensor:
-    """The model's output if it is one embedding per input, (n, dim); else one line."""
-    if not isinstance(out, torch.Tensor) or out.dim() != 2 or len(out) != n:
-        raise UserError(f"loss=contrastive needs an embedding per input, (samples, dim), from the model; it returns "
-                        f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__} for {n} inputs")
-    return out
+        return super().attach(model)
 
 
 def contrastive(temperature: float = 0.07, symmetric: bool = True, learn_temperature: bool = False,
                 window: bool = True, mask_duplicates: bool = False, ignore_index: int = -100) -> ContrastiveLoss:
     """loss=contrastive's factory (`loss._target_`); ignore_index is unused (the data's padding default reads it)."""
-    if not temperature > 0:
-        raise UserError(f"loss.temperature={temperature} is not valid: expected a positive temperature (e.g. 0.07)")
+    spec.temperature(dict(temperature=temperature))
     return ContrastiveLoss(temperature, symmetric, learn_temperature, window, mask_duplicates)

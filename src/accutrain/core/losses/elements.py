@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.chunked_ce import logits_of
 from accutrain.core.loss import OnePass
+from accutrain.core.losses import elements_spec as spec
 from accutrain.core.options import Normalize
 from accutrain.errors import UserError
 
@@ -157,8 +158,7 @@ def l1(normalize: Normalize | str = "auto", ignore_index: int = -100) -> PerTerm
 
 def huber(normalize: Normalize | str = "auto", ignore_index: int = -100, delta: float = 1.0) -> PerTermLoss:
     """loss=huber: squared error below `delta`, linear above; auto normalizes over elements."""
-    if not delta > 0:
-        raise UserError(f"loss.delta={delta} is not valid: expected a positive threshold (e.g. 1.0)")
+    spec.threshold(dict(delta=delta))
     return PerTermLoss(lambda x, y: F.huber_loss(x, y, reduction="none", delta=delta), "regression", "huber",
                        elements_of(normalize, Normalize.elements), ignore_index)
 

@@ -25,46 +25,28 @@ with a mixture-of-experts configuration (models/moe.py), or a model of your own 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as tdist
 from torch import nn
 
 from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
-from accutrain.core.gradcache import on, rng_of, set_rng
+from accutrain.core.gradcache import on, set_rng
 from accutrain.core.losses.cross_entropy import SummedLoss, make_loss
 from accutrain.core.losses.moe_checks import check_router, routing_of
+from accutrain.core.losses.moe_window import Counted, count_window, empty_tally, figures_of, outputs
 from accutrain.core.options import Normalize, RouterAux
 from accutrain.core.precision import Precision
-from accutrain.core.routing import Routing, balancing, describe_load, load_figures, route, token_rows
+from accutrain.core.routing import Routing, balancing, describe_load, route, token_rows
 from accutrain.core.step import FP32, evaluate, micro_steps, rereadable
 from accutrain.errors import UserError
 
 Batches = Iterable[Batch | Sequence[torch.Tensor]]
 NOT_THE_BIG_BATCH = ("loss.router_aux={} balances each micro-batch alone, so the accumulated step is NOT the big "
                      "batch's (for comparison only; loss.router_aux=window balances the whole window, exactly)")
-
-
-@dataclass
-class Counted:
-    """Pass 1's result: the window's routing counts (L, E) and real tokens, every rank's, and the RNG state before
-    each of this rank's real micro-batches (replayed in pass 2) and after the last."""
-
-    counts: torch.Tensor
-    tokens: torch.Tensor
-    states: list
-    after: Any
-
-
-def outputs(model: nn.Module, batch: Batch, cast: Callable[[torch.Tensor], torch.Tensor], wanted: tuple[str, ...]
-            ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The model's logits and its auxiliary outputs `wanted` for one micro-batch."""
-    return batch.forward(functools.partial(model, aux=wanted), cast)
 
 
 @dataclass
@@ -116,11 +98,11 @@ class RouterBalancedLoss:
         precision = precision or FP32
         two = self.whole_window and self.aux_coef != 0  # a weight of 0 needs no window's counts
         window = rereadable(micro_batches) if two else micro_batches
-        counted = self.count_window(model, window, device, precision, world) if two else None
+        counted = count_window(self, model, window, device, precision, world) if two else None
         replay = iter(counted.states) if counted is not None else None
         scale = world / terms  # DDP averages the ranks' gradients: × world undoes that mean
         total = torch.zeros((), dtype=torch.float64, device=device)
-        tally = self.empty_tally(device)
+        tally = empty_tally(self, device)
         for batch, synchronises in micro_steps(window.again() if counted is not None else window):
             with nullcontext() if synchronises else no_sync(), (
                     stand_in_guard(model, device) if batch.stand_in else nullcontext()), eager(model, len(batch)):
@@ -139,7 +121,7 @@ class RouterBalancedLoss:
                 tally = [t + s for t, s in zip(tally, seen)]
         if counted is not None:
             set_rng(counted.after, device)  # where one pass would have left the RNG
-        self.measured = self.figures_of(tally, terms, world)
+        self.measured = figures_of(self, tally, terms, world)
         return total
 
     def objective(self, ce_sum: torch.Tensor, aux: dict[str, Any], batch: Batch, counted: Optional[Counted],
@@ -167,53 +149,6 @@ class RouterBalancedLoss:
             self.router_aux is not RouterAux.window else torch.zeros((), dtype=torch.float64, device=n.device)
         return objective, [routed.counts, routed.probs.detach().double(), routed.tokens, optimised,
                            routed.z.detach().double()]
-
-    def count_window(self, model: nn.Module, window: Iterable[Batch], device: torch.device, precision: Precision,
-                     world: int) -> Counted:
-        """Pass 1: the window's routing counts and real tokens, without gradients, on every rank (one all-reduce),
-        and the RNG states pass 2 replays."""
-        bare = getattr(model, "module", model)  # no gradient, no collective: DDP's wrapper is not needed
-        counts = torch.zeros((self.layers, self.routing.experts), dtype=torch.float64, device=device)
-        tokens = torch.zeros((), dtype=torch.float64, device=device)
-        states = []
-        with torch.no_grad(), eager(bare):
-            for batch, _ in micro_steps(window):
-                if batch.stand_in:
-                    continue
-                states.append(rng_of(device))
-                batch = on(batch, device)
-                with precision.autocast():
-                    _, aux = outputs(bare, batch, precision.inputs, ("router_logits",))
-                routed = route(self.router_logits(aux), self.routing.top_k, token_rows(batch.inputs))
-                counts += routed.counts
-                tokens += routed.tokens
-        after = rng_of(device)
-        if world > 1:
-            flat = torch.cat([counts.reshape(-1), tokens.reshape(1)])
-            tdist.all_reduce(flat)
-            counts, tokens = flat[:-1].reshape(counts.shape), flat[-1]
-        return Counted(counts, tokens, states, after)
-
-    def empty_tally(self, device: torch.device) -> list[torch.Tensor]:
-        shape = (self.layers, self.routing.experts)
-        zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
-        return [zeros(shape), zeros(shape), zeros(()), zeros(()), zeros(())]
-
-    def figures_of(self, tally: list[torch.Tensor], terms: int, world: int) -> dict[str, torch.Tensor]:
-        """The window's figures, every rank's: its balancing loss (router_aux_window), the term a per-micro-batch
-        option optimised instead (router_aux), the z-loss per token, each router layer's load and entropy."""
-        if world > 1:
-            flat = torch.cat([t.reshape(-1) for t in tally])
-            tdist.all_reduce(flat)
-            sizes = [t.numel() for t in tally]
-            tally = [part.reshape(t.shape) for part, t in zip(flat.split(sizes), tally)]
-        counts, probs, tokens, optimised, z = tally
-        figures = {"router_aux_window": balancing(counts, probs, tokens.clamp(min=1))}
-        if self.router_aux in (RouterAux.micro_batch, RouterAux.model):
-            figures["router_aux"] = optimised / terms
-        figures["router_z"] = z / terms
-        figures.update(load_figures(counts))
-        return figures
 
     def router_logits(self, aux: dict[str, Any]) -> Sequence[torch.Tensor]:
         logits = aux.get("router_logits") if isinstance(aux, dict) else None

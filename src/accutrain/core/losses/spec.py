@@ -6,7 +6,6 @@ A family is its module (the maths and the Loss members, accutrain.core.loss) and
 this package. The rest of accutrain asks a family's traits, never its name."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -39,11 +38,12 @@ class Traits:
 @dataclass(frozen=True)
 class Refusal:
     """A refused combination: `when(run, traits)` is true for the run's typed config; `other` names what the user
-    typed (a callable formats it from the run); `remedy` says what to do instead."""
+    typed (a callable formats it from the run); `remedy` says what to do instead (a callable: from the run and the
+    loss's traits)."""
 
     when: Callable[[Any, Traits], bool]
     other: str | Callable[[Any], str]
-    remedy: str
+    remedy: str | Callable[[Any, Traits], str]
 
 
 @dataclass
@@ -71,6 +71,3 @@ class Family:
     def traits_of(self, node: Mapping[str, Any]) -> Traits:
         """The traits of this family for one run's node (`vary` adjusts the declared ones)."""
         return self.vary(node, self.traits) if self.vary is not None else self.traits
-
-    def with_traits(self, **changes: Any) -> Family:
-        return dataclasses.replace(self, traits=dataclasses.replace(self.traits, **changes))

@@ -18,7 +18,7 @@ from accutrain.errors import NonFinite, UserError
 from accutrain.parallel.state_dicts import write_sharded
 from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
-from accutrain.run.malloc import tune_malloc
+from accutrain.runtime.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import owned
 from accutrain.store.rotation import Rotation

@@ -22,8 +22,8 @@ from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, RankDied, UserError
 from accutrain.models.norms import batchnorm_in
-from accutrain.run.scheduler import launcher_name
-from accutrain.run.session import train_rank
+from accutrain.runtime.scheduler import launcher_name
+from accutrain.runtime.session import train_rank
 from accutrain.seeding import deterministic_algorithms
 from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, die_with_parent, signal_numbers
 from accutrain.store.rotation import Rotation
@@ -147,10 +147,10 @@ class _Job:
 
 
 def _worker(local_rank: int, job: _Job) -> None:
-    die_with_parent()  # and the fork server dies with the command (accutrain.run.forkserver)
+    die_with_parent()  # and the fork server dies with the command (accutrain.runtime.forkserver)
     if hasattr(os, "setsid"):  # a session of its own, as torchrun's workers: the terminal's Ctrl-C reaches the command
         os.setsid()  # alone, which passes it on once (spawn) — not twice, which a rank would take for a second Ctrl-C
-    # The fork server ignores Ctrl-C (accutrain.run.forkserver); a rank takes the command's at once — before it trains
+    # The fork server ignores Ctrl-C (accutrain.runtime.forkserver); a rank takes the command's at once — before it trains
     # a KeyboardInterrupt (exit 130 below), then its stop request's handler.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ != job.environ:  # a forked worker holds the fork server's environment; a spawned one the parent's
@@ -224,7 +224,7 @@ def start_method() -> str:
         return "spawn"
     # torch._dynamo too: every rank imports it anyway (≈ 2 s), at its optimizer's first call of a function PyTorch
     # keeps out of compiled graphs (torch._disable_dynamo imports it then); importing starts no thread, touches no GPU
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["accutrain.run.forkserver", __name__,
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["accutrain.runtime.forkserver", __name__,
                                                                       "torch._dynamo"])
     return "forkserver"
 
