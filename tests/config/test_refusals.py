@@ -35,6 +35,9 @@ ROWS = {
                                               "accum=2"],
     ("loss=moe", "model._target_=accutrain.models.mlp"): ["debug=fast", "loss=moe"],
     ("loss=moe", "strategy=fsdp"): [*LM, "loss=moe", "strategy=fsdp"],
+    ("loss=dpo", "strategy=fsdp"): [*LM, "loss=dpo", "strategy=fsdp"],
+    ("loss=orpo", "strategy=fsdp"): [*LM, "loss=orpo", "strategy=fsdp"],
+    ("loss=kto", "strategy=fsdp"): [*LM, "loss=kto", "strategy=fsdp"],
     ("loss=moe", "data.packing=true"): ["model=hf_causal_lm", "+model.config.model_type=mixtral", "loss=moe",
                                         "loss.router_aux=model", "data=text", "data.train=corpus.txt",
                                         "data.packing=true"],
@@ -91,6 +94,12 @@ def leaves(output, target):
 """
 PAIRS = "".join('{"anchor": "q%d", "positive": "p%d", "negative": "n%d"}\n' % (i, i, i) for i in range(40))
 TEXT_PAIRS = ["model=mlp", "data=text", "data.train=pairs.jsonl", "loss=contrastive", "micro_batch=8"]
+PREFERENCE = ('{"prompt": "a", "chosen": " c0", "rejected": " r0"}\n{"prompt": "b", "chosen": " c1", '
+              '"rejected": " r1"}\n')
+FEEDBACK = '{"prompt": "a", "completion": " c0", "label": true}\n{"prompt": "b", "completion": " c1", "label": false}\n'
+PREFERENCE_RUN = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "+model.config.n_layer=1",
+                  "+model.config.n_embd=16", "+model.config.n_head=2", "data=text", "data.train=p.jsonl",
+                  "data.val=p.jsonl", "data.max_length=32"]
 # What only the data or a plug-in shows: (files to write, the overrides, what the one line names).
 OTHERS = {
     "a _target_ module with a syntax error": ({"badmodel.py": BAD_MODULE}, [*TINY_DATA, "model=custom",
@@ -122,6 +131,16 @@ OTHERS = {
         ["pairs.jsonl:2 has an empty positive"]),
     "text pairs with a loss that does not compare them": ({"pairs.jsonl": PAIRS},
         [*TEXT_PAIRS, "loss=cross_entropy"], ["holds text pairs", "loss=contrastive"]),
+    "a preference pair whose chosen equals its rejected": ({"p.jsonl": PREFERENCE.replace('" r1"', '" c1"')},
+        [*PREFERENCE_RUN, "loss=dpo"], ["p.jsonl:2: its chosen equals its rejected"]),
+    "a feedback label that is not a boolean": ({"p.jsonl": FEEDBACK.replace("false", '"no"')},
+        [*PREFERENCE_RUN, "loss=kto"], ["p.jsonl:2: label is 'no'", "true (desirable) or false"]),
+    "preference pairs with a loss that does not take them": ({"p.jsonl": PREFERENCE},
+        [*PREFERENCE_RUN, "loss=cross_entropy"], ["holds preference records", "loss=dpo"]),
+    "feedback records with loss=dpo": ({"p.jsonl": FEEDBACK}, [*PREFERENCE_RUN, "loss=dpo"],
+        ["loss=dpo trains on preference pairs"]),
+    "loss.beta=0": ({"p.jsonl": PREFERENCE}, [*PREFERENCE_RUN, "loss=dpo", "loss.beta=0"],
+        ["loss.beta=0.0 is not valid"]),
 }
 
 
