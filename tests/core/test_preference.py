@@ -248,3 +248,20 @@ def test_kto_is_the_float64_formula_with_the_reference_point_over_the_window(fil
     assert abs(value - value64) < 1e-6 and close(grads, grads64, 1e-6)
     value_mb, per_micro = kto64(items, 0.5, 1.0, 1.33, point_per=4)
     assert abs(value_mb - value64) > 1e-4 or not close(per_micro, grads64, 1e-4)  # z0 per group tells apart
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_the_chunked_head_takes_the_full_logits_gradient(files, kind):
+    """model.logits=chunked (the default): the hidden states and the head, the log-probabilities a chunk at a time;
+    the surrogate's backward through the chunked cross-entropy is the full logits' gradient."""
+    data = data_of(files / ("pairs.jsonl" if kind == "dpo" else "feedback.jsonl"))
+    make = (lambda: dpo(beta=0.5, nll_coef=0.7)) if kind == "dpo" else (lambda: kto(beta=0.5, seed=SEED))
+    items, fmt, grads = window_items(data), BatchFormat(data.collate), []
+    for logits in ("full", "chunked"):
+        model = tiny_lora()
+        model.logits = logits
+        loss = make()
+        loss.attach(model)
+        loss.accumulate(model, [fmt(items[k:k + 2]) for k in range(0, 8, 2)], 8, torch.device("cpu"))
+        grads.append([p.grad.double() for p in trained(model)])
+    assert close(grads[0], grads[1], 1e-6)
