@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accutrain.core.chunked_ce import Projection, summed_linear_cross_entropy
+from accutrain.core.chunked_ce import Projection, chunk_size, summed_linear_cross_entropy
 from accutrain.core.summing import shift_left
 
 
@@ -36,13 +36,14 @@ def sequence_logps(output: Any, target: torch.Tensor, ignore_index: int) -> torc
     (batch, classes, length), or a Projection a row at a time."""
     kept = target != ignore_index
     picked = target.masked_fill(~kept, 0)
-    if isinstance(output, Projection):
-        rows = []
-        for b in range(target.shape[0]):
-            logits = F.linear(output.hidden[b], output.weight, output.bias).float()  # (length, classes)
-            token = logits.log_softmax(-1).gather(-1, picked[b][:, None]).squeeze(-1)
-            rows.append((token * kept[b]).double().sum())
-        return torch.stack(rows) if rows else torch.zeros(0, dtype=torch.float64, device=target.device)
+    if isinstance(output, Projection):  # a chunk of tokens' logits at a time, never the whole (batch, length, V)
+        hidden, flat = output.hidden.reshape(-1, output.hidden.shape[-1]), picked.reshape(-1)
+        token = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+        step = chunk_size(len(flat), hidden.shape[1], output.weight.shape[0])
+        for start in range(0, len(flat), step):
+            logits = F.linear(hidden[start : start + step], output.weight, output.bias).float()
+            token[start : start + step] = logits.log_softmax(-1).gather(-1, flat[start : start + step, None])[:, 0]
+        return (token.reshape(target.shape) * kept).double().sum(-1)
     token = output.float().log_softmax(1).gather(1, picked[:, None]).squeeze(1)
     return (token * kept).double().sum(-1)
 
