@@ -4,7 +4,9 @@ float64 big batch written here, then tokens per second.
 Every side trains the same tiny Llama (built once from its config and seed, float32, no dropout) with the same LoRA
 (r 8, alpha 16, on q_proj and v_proj; its B matrices drawn from the seed so the policy is not yet its reference), on
 the same plain-text records (a prompt and its completions; the byte tokenizer, an <eos> after each completion) and the
-same first window of `--window` records in file order, cut into micro-batches of `--micro` (gradient accumulation
+same first window of `--window` records in file order, the same reference (the policy as training starts: its
+LoRA B is not zero, so that reference is not the base; TRL keeps it as a second adapter, accutrain here as a frozen
+copy), cut into micro-batches of `--micro` (gradient accumulation
 over window / micro of them). The float64 big batch: the papers' formulas over the whole window (DPO: −log σ(β h)
 averaged over the pairs; KTO: λ (1 − σ(β (±(r − z0)))) averaged, z0 = max(0, the mean over the window's mismatched
 pairs of log π/π_ref)), the log-probabilities summed over each side's own completion tokens, in a float64 copy of
@@ -81,10 +83,13 @@ def lora_grads(model) -> torch.Tensor:
 
 
 def logp64(model, prompt: list[int], completion: list[int], ref: bool) -> torch.Tensor:
+    """Σ log p(completion | prompt) under `model` (float64), or (`ref`) under its frozen initial copy `model.initial`
+    — the reference policy: the policy as training starts (TRL keeps it as a second adapter, "ref"; accutrain, with
+    a fresh adapter whose B is 0, as the base with the adapter disabled; here, with B drawn, as a frozen copy)."""
     ids = torch.tensor(prompt + completion)[None]
     if ref:
-        with torch.no_grad(), model.disable_adapter():
-            logits = model(input_ids=ids).logits.double()[0]
+        with torch.no_grad():
+            logits = model.initial(input_ids=ids).logits.double()[0]
     else:
         logits = model(input_ids=ids).logits.double()[0]
     logprobs = logits[:-1].log_softmax(-1)
@@ -92,8 +97,14 @@ def logp64(model, prompt: list[int], completion: list[int], ref: bool) -> torch.
     return logprobs[torch.arange(len(target)), target][len(prompt) - 1:].sum()
 
 
-def dpo64(base, window: list[tuple[list, list, list]]) -> torch.Tensor:
+def as64(base):
     model = copy.deepcopy(base).double()
+    object.__setattr__(model, "initial", copy.deepcopy(model).requires_grad_(False))  # not a submodule
+    return model
+
+
+def dpo64(base, window: list[tuple[list, list, list]]) -> torch.Tensor:
+    model = as64(base)
     losses = []
     for prompt, chosen, rejected in window:
         h = (logp64(model, prompt, chosen, False) - logp64(model, prompt, chosen, True)) - (
@@ -107,7 +118,7 @@ def kto64(base, window: list[tuple[list, list, bool]], mismatched: list[list[int
           ) -> torch.Tensor:
     """Sample i's mismatched pair is (its prompt, mismatched[i]); z0 is taken over each group of samples (one group:
     the window; several: each micro-batch's own)."""
-    model = copy.deepcopy(base).double()
+    model = as64(base)
     z0 = {}
     for group in groups:
         with torch.no_grad():
@@ -132,6 +143,7 @@ def accutrain_side(kind: str, path: Path, base, args) -> tuple[float, float, tor
     model = HFCausalLM(copy.deepcopy(base))
     loss = dpo(beta=BETA) if kind == "dpo" else kto(beta=BETA, seed=SEED)
     loss.attach(model)
+    loss.ref.adapter, loss.ref.copy = None, copy.deepcopy(model).requires_grad_(False).eval()  # the initial policy
     window = items[: args.window]
     batches = [fmt(window[k:k + args.micro]) for k in range(0, len(window), args.micro)]
     loss.accumulate(model, batches, len(window), torch.device("cpu"))
