@@ -117,3 +117,23 @@ def test_show_sample_marks_a_pairs_completions(tmp_path):
     shown = preference_sample(data.train[0], ByteTokenizer(), -100, "head")
     assert "── chosen:" in shown and "the cat⟦ sat<eos>⟧" in shown and "the cat⟦ ran away<eos>⟧" in shown
     assert isinstance(data.train[0]["labels"], torch.Tensor)
+
+
+@pytest.mark.parametrize("name", ["qwen25", "qwen3_like", "last_turn_block", "history_without_reasoning", "markers"])
+def test_conversational_completions_are_labelled_whatever_the_template(name):
+    """A multi-turn prompt and an assistant completion: the completion's content lies in the labelled tokens, the
+    prompt's turns (its own assistant turn too) do not, with templates that break the prefix property."""
+    pytest.importorskip("transformers")
+    from chat_templates import TEMPLATES, bpe_tokenizer
+    from accutrain.data.preference import Encoder
+    from accutrain.data.template import chat_template
+
+    tok = bpe_tokenizer(TEMPLATES[name])
+    encode = Encoder(tok, lambda: chat_template(tok, "bpe"), -100)
+    prompt = [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "on a mat"},
+              {"role": "user", "content": "and the dog"}]
+    for completion in ("ran far away", "sat on a red mat"):
+        ids, labels, k = encode(prompt, [{"role": "assistant", "content": completion}], "p.jsonl:1", "chosen")
+        labelled = tok.decode([t for t, label in zip(ids, labels) if label != -100])
+        assert completion in labelled and "on a mat" not in labelled and "dog" not in labelled
+        assert all(label == -100 for label in labels[:k]) and tok.decode(ids[:k]).count("the dog") == 1
