@@ -21,6 +21,7 @@ from accutrain.data.datasets import Datasets
 from accutrain.data.hf_records import (ROLES, Reading, class_names, description, encoding, kept_items, task,
                                        tokenized_split, tokenizer_for)
 from accutrain.data.hf_sources import load, require_datasets
+from accutrain.data.json_records import decoded, is_json_table
 from accutrain.data.packing import packing_mode, packing_name
 from accutrain.data.pairs import PairColumns, is_pairs, pair_datasets, pair_items
 from accutrain.data.pairs import describe as describe_pairs
@@ -117,7 +118,8 @@ def hf_pairs(datasets: Any, r: Reading, source: Any, columns: PairColumns) -> Da
         if missing:
             raise UserError(f"{where} has no column {missing[0]!r} (data.columns); its columns are: "
                             f"{', '.join(part.column_names)}")
-        records = part.select_columns(wanted).to_list()
+        records = part.select_columns(wanted).to_dict()
+        records = [dict(zip(records, row)) for row in zip(*decoded(records, is_json_table(part)).values())]
         splits.append(pair_items(records, columns, tok, r.max_length, where,
                                  (lambda i, row=row: row[i] + 1) if row is not None else None))
     return pair_datasets(splits, tok, r.max_length, r.padding, f"hf {r.train} ({describe_pairs(columns, wanted)}; "

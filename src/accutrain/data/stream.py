@@ -56,6 +56,8 @@ class SampleStream:
                 record = next(records)
             except StopIteration:
                 break
+            except UserError:  # a line of a local file that is not a record: named by its line
+                raise
             except Exception as e:  # a malformed line of a file, a network failure
                 line = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise UserError(f"data.train={self.r.train}: reading record {self.counts['row']} of the stream "
