@@ -100,6 +100,9 @@ def stream_data(datasets: Any, r: Reading) -> Datasets:
     if r.val is None:
         raise UserError("data.streaming=true reads data.train as a stream, which is not split: give the held-out "
                         "records as data.val=<a file or a dataset name>")
+    if r.buffer_size < 1:
+        raise UserError(f"data.buffer_size={r.buffer_size} is not valid: expected the number of records the shuffle "
+                        "buffer holds, 1 or more (e.g. 1000; 1: no shuffling)")
     if r.packing:
         raise UserError("data.streaming=true cannot pack: packing lays blocks out over the whole training set; "
                         "set data.packing=false")
