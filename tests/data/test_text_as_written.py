@@ -159,3 +159,24 @@ def test_a_stream_that_fails_keeps_the_steps_before_and_a_buffer_of_nothing_is_r
     assert_one_line_error(proc, "line 40 is not a JSON record")
     assert (run / "checkpoints" / "step-00000002.pt").is_file()  # the windows cut before line 40: trained, kept
     assert json.loads((run / "status.json").read_text())["state"] == "failed"
+
+
+@pytest.mark.parametrize("reader", ["text", "hf"])
+def test_pairs_whose_positives_are_all_the_same_text_are_warned_of_at_load(tmp_path, reader):
+    from accutrain.data.text import text_data
+    from conftest import captured_log
+
+    def load(records):
+        path = write_jsonl(tmp_path / f"pairs{len(records)}.jsonl", records)
+        with captured_log() as log:
+            if reader == "text":
+                text_data(str(path), str(path), 0.25, "bytes", 64, False, "longest", "text", "prompt", "response",
+                          None, 0)
+            else:
+                hf_data(str(path), val=str(path), **options(tmp_path))
+        return log.getvalue()
+
+    same = load([{"anchor": f"query {i}", "positive": "the same passage"} for i in range(8)])
+    assert "every one of the 8 training records" in same and "has the same positive text" in same
+    assert "has the same positive" not in load([{"anchor": f"query {i}", "positive": f"passage {i % 2}"}
+                                                for i in range(6)])

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.embedding_checks import check_distinct
 from accutrain.core.gradcache import accumulate_window_loss, evaluate_window, one_pass, wide
 from accutrain.core.precision import Precision
 from accutrain.errors import UserError
@@ -191,12 +192,12 @@ class ContrastiveLoss:
         return []
 
     def check(self, model: nn.Module, batch: Batch, data: str) -> None:
-        """The pairs reach the model as pairs, and the model returns an embedding per view."""
+        """The pairs reach the model as pairs, an embedding per view, two different texts embedded apart."""
         training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                embed(model, batch)
+                check_distinct(embed(model, batch), batch.inputs, roles)
         finally:
             model.train(training)
 
