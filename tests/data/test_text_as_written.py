@@ -74,6 +74,22 @@ def test_strings_that_look_like_json_or_numbers_are_trained_as_written(tmp_path,
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_csv_files_text_columns_are_read_as_the_strings_they_hold(tmp_path, streaming):
+    import csv
+
+    responses = ["0.", "NA", "null", '"yes"', "007", "1e5", "nan"]
+    path = tmp_path / "pairs.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "response", "score"])
+        writer.writerows([["p", r, "" if i == 2 else i] for i, r in enumerate(responses)])  # a score left empty
+    before = path.read_bytes()
+    data = hf_data(str(path), val=str(path), streaming=streaming, **options(tmp_path))
+    assert [trained_text(labels) for _, labels in samples(data, streaming)] == responses
+    assert path.read_bytes() == before
+
+
 def test_a_template_marking_the_last_message_never_trains_its_header():
     template = chat_template(fast_byte_tokenizer(), "bytes", LAST_MARKED)
     for answer in ("t", "a", "<", "|", "\n", "yes"):

@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 
 EOS = 257  # the byte tokenizer's (data.tokenizer=bytes, with a template of one's own too)
 VALUES = ['"yes"', "'quoted'", "0.", "0", "-1.5e3", "null", "true", "[]", "{}", '[1, "two", null]',
-          '{"a": {"b": [1]}}', '[{"type":"text","text":"hi"}]', "NaN", "héllo wörld", "日本語", "🙂👍", "a\u2028b",
-          "x\x85y", "tab\there", " spaced ", "a", "t", "<", "|", ">", "\n", ".", "{", '"', "\\", "s"]
+          '{"a": {"b": [1]}}', '[{"type":"text","text":"hi"}]', "NaN", "héllo wörld", "日本語", "🙂👍",
+          "a\u2028b", "x\x85y", "tab\there", " spaced ", "a", "t", "<", "|", ">", "\n", ".", "{", '"', "\\", "s"]
 LAST_MARKED = (r"{%- for message in messages %}{{- '<|' + message.role + ('_final' if loop.last else '') + '|>\n' + "
                r"message.content + '\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}"
                r"{%- endif %}")

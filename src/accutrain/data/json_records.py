@@ -1,7 +1,7 @@
 """Local JSON files (.jsonl, .json) read for data=hf as the user wrote them, by Python's json module: a string stays
 the string in the file — never the number, list or document the `datasets` library's type inference would make of
-it (`"0."` is not 0.0, `"\\"yes\\""` keeps its quotes, a string holding JSON is not decoded) — and a field missing from
-one record is not added to it. Read into a memory-mapped Arrow table (kept in the cache) whose columns hold each
+it (`"0."` is not 0.0, `"\\"yes\\""` keeps its quotes, a string holding JSON is not decoded) — and a field missing
+from one record is not added to it. Read into a memory-mapped Arrow table (kept in the cache) whose columns hold each
 record's field as JSON text (`fields` turns them back), or as a stream that resumes at its byte offset. A line that
 is not one JSON object, or not UTF-8, is one line naming the file, the line and the byte.
 
@@ -80,8 +80,8 @@ def document(path: Path, label: str) -> Optional[list[dict]]:
             {len(v) for v in value.values()}) == 1:
         value = [dict(zip(value, row)) for row in zip(*value.values())]
     if not isinstance(value, list):
-        raise UserError(f"{label}: it is a JSON {kind_of(value)}: expected JSON lines, an array of records or an object "
-                        "of columns (lists of equal length)")
+        raise UserError(f"{label}: it is a JSON {kind_of(value)}: expected JSON lines, an array of records or an "
+                        "object of columns (lists of equal length)")
     for i, record in enumerate(value):
         if not isinstance(record, dict):
             raise UserError(f"{label}: record {i} is a JSON {kind_of(record)}: expected an object")
