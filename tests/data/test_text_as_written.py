@@ -90,6 +90,22 @@ def test_a_csv_files_text_columns_are_read_as_the_strings_they_hold(tmp_path, st
     assert path.read_bytes() == before
 
 
+def test_a_json_array_or_object_of_columns_reads_as_its_json_lines(tmp_path):
+    records = [chat('"yes"'), {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]},
+                                            {"role": "assistant", "content": "0."}]}]
+    lines = write_jsonl(tmp_path / "chat.jsonl", records)
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(records, indent=2))
+    columns = tmp_path / "columns.json"
+    columns.write_text(json.dumps({"messages": [r["messages"] for r in records]}, indent=1))
+    expected = [trained_text(labels) for _, labels in samples(hf_data(str(lines), val=str(lines),
+                                                                      **options(tmp_path)), False)]
+    assert expected == ['"yes"\n', "0.\n"]
+    for path in (array, columns):
+        assert [trained_text(labels) for _, labels in samples(hf_data(str(path), val=str(path), **options(tmp_path)),
+                                                              False)] == expected
+
+
 def test_a_template_marking_the_last_message_never_trains_its_header():
     template = chat_template(fast_byte_tokenizer(), "bytes", LAST_MARKED)
     for answer in ("t", "a", "<", "|", "\n", "yes"):
