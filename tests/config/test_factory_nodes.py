@@ -149,3 +149,13 @@ def test_the_typed_run_is_frozen_all_the_way_down_and_travels_to_spawned_ranks(c
     with pytest.raises(dataclasses.FrozenInstanceError):
         again.trainer.epochs = 9
     assert dataclasses.replace(run.trainer, epochs=9).epochs == 9 and run.trainer.epochs == 5  # a changed copy
+
+
+@pytest.mark.parametrize("target", ["os.system", "subprocess.run"])
+def test_a_target_hydra_blocks_is_one_line_before_the_run_directory(tmp_path, target):
+    from conftest import assert_one_line_error
+
+    run, proc = train_run(tmp_path, "run", "data=custom", f"data._target_={target}", check=False)
+    assert_one_line_error(proc, f"data._target_={target}: Hydra will not instantiate it", "is blocklisted")
+    assert proc.returncode == 2 and "InstantiationException" not in proc.stderr
+    assert not run.exists()

@@ -46,3 +46,33 @@ def test_the_first_token_pooling_and_a_missing_attention_mask():
         mean(input_ids=ids)
     with pytest.raises(UserError, match="model.pooling=max is not valid: expected one of mean, cls, last"):
         encoder(config=dict(CONFIG), pooling="max")
+
+
+def test_first_token_pooling_on_a_model_that_attends_causally_is_refused_with_the_remedy():
+    with pytest.raises(UserError) as info:
+        encoder(config=dict(GPT2), pooling="cls", vocab_size=50)
+    assert "model.pooling=cls on gpt2: it attends causally" in str(info.value)
+    assert "use model.pooling=last" in str(info.value) and "\n" not in str(info.value)
+    encoder(config=dict(GPT2), pooling="last", vocab_size=50)  # the remedy
+    encoder(config=dict(CONFIG), pooling="cls", vocab_size=50)  # an encoder's first token sees the whole text
+
+
+def test_two_different_texts_embedded_identically_are_one_line_at_the_start_up_check():
+    from accutrain.core.batches import Batch
+    from accutrain.core.contrastive import contrastive
+    from accutrain.models.hf_encoder import HFEncoder
+
+    torch.manual_seed(0)
+    anchors, positives = [[3, 4, 5], [3, 9, 8]], [[7, 1, 2], [6, 1, 2]]  # the anchors share their first token
+    inputs = {}
+    for role, texts in (("anchor", anchors), ("positive", positives)):
+        inputs[f"{role}.input_ids"], inputs[f"{role}.attention_mask"] = padded(texts, "right", 4)
+    batch = Batch(inputs, torch.tensor([[1], [2]]))
+    loss = contrastive()
+    loss.check(encoder(config=dict(GPT2), pooling="last", vocab_size=50), batch, "x")  # every text its own
+    blind = encoder(config=dict(GPT2), pooling="last", vocab_size=50)
+    blind.pooling = "cls"  # as a model built elsewhere would pool: the first token of a causal model
+    with pytest.raises(UserError) as info:
+        loss.check(blind, batch, "x")
+    assert "embeds two different texts of the first window identically (the anchor of sample 0 and the anchor of " \
+           "sample 1)" in str(info.value) and "\n" not in str(info.value)

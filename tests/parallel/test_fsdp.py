@@ -204,7 +204,8 @@ def test_fsdp_keys_belong_to_strategy_fsdp(compose):
 
 def test_batchnorm_in_training_and_unknown_wrap_classes_are_refused(compose):
     from accutrain.core.precision import make_precision
-    from accutrain.parallel.fsdp import FSDP, units_to_shard
+    from accutrain.parallel.fsdp import FSDP
+    from accutrain.parallel.fsdp_units import units_to_shard
 
     cfg = compose("model=resnet18", "strategy=fsdp")
     strategy = FSDP(cfg.strategy, World(0, 2), torch.device("cpu"), make_precision("32", torch.device("cpu")))

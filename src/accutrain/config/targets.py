@@ -38,13 +38,25 @@ def instantiate(key: str, node: Factory | DictConfig | dict, *args: Any) -> Any:
     """`hydra.utils.instantiate(node, *args)`: its `_target_` called with `args` and the node's other keys (nested
     `_target_`s built first). An import error is one line naming `key._target_`; an exception the call raises
     reaches the caller as it was raised (not wrapped), so that a plug-in's own error can be named."""
-    from hydra.utils import instantiate as hydra_instantiate
-
     values = plain(node)
     target = load_target(f"{key}._target_", values["_target_"])
     refuse_unknown_arguments(key, values["_target_"], target, {k: v for k, v in values.items() if k != "_target_"})
     values["_target_"] = moved(values["_target_"])
-    return hydra_instantiate(values, _partial_=True, _convert_="all")(*args)
+    return hydra_call(key, values)(*args)
+
+
+def hydra_call(key: str, values: dict[str, Any]) -> Any:
+    """Hydra's instantiate of `values` as a partial (nothing called yet); what Hydra itself refuses — a target its
+    policy blocks (os.system, subprocess.…), a nested node it cannot build — one line naming `key._target_`."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(values, _partial_=True, _convert_="all")
+    except InstantiationException as e:
+        said = " ".join(line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith(
+            "full_key:"))
+        raise UserError(f"{key}._target_={values['_target_']}: Hydra will not instantiate it ({said[:300]})") from None
 
 
 def run_arguments(key: str, node: Factory | DictConfig | dict, offered: dict[str, Any]) -> dict[str, Any]:
@@ -115,6 +127,7 @@ def check_plugins(cfg: TrainConfig) -> None:
         if target.startswith("accutrain."):
             continue
         made = load_target(f"{key}._target_", target)
+        hydra_call(key, {"_target_": target})  # a target Hydra's policy blocks: refused before the run starts
         if key == "loss" and not families.implements(made):  # a per-term loss (a family of the user's: its own)
             check_loss_call(made, target, {k: v for k, v in cfg.loss.arguments.items()
                                            if k not in ("normalize", "ignore_index")})

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from accutrain.config.data_schemas import SequenceData, SyntheticData, TextData
+from accutrain.config.data_schemas import HFData, SequenceData, SyntheticData, TextData
 from accutrain.config.schemas import (AdamWOptim, CharLMModel, CNNModel, CosineSched, HFCausalLMModel,
                                       HFEncoderModel, HFSeqClsModel, MLPModel, SGDOptim)
 from accutrain.errors import UserError
@@ -45,8 +45,17 @@ def check_values(cfg: DictConfig) -> None:
     if builtin(cfg.data, SyntheticData) and cfg.data.num_classes < 2:
         raise UserError(f"data.num_classes={cfg.data.num_classes} is not valid: expected 2 or more classes (with one, "
                         "cross-entropy is 0 whatever the model says: nothing is learned)")
+    if builtin(cfg.data, HFData):
+        check_buffer_size(cfg.data.buffer_size)
     if cfg.trainer.device == "cpu":
         auto_needs_budget(cfg, "cpu")
+
+
+def check_buffer_size(value: Any) -> None:
+    """data.buffer_size: the shuffle buffer a stream's samples pass through holds at least one."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise UserError(f"data.buffer_size={value} is not valid: expected the number of records the shuffle buffer "
+                        "of data.streaming=true holds, 1 or more (e.g. 1000; 1: no shuffling)")
 
 
 def check_seed(key: str, value: int) -> None:

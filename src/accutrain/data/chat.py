@@ -43,11 +43,12 @@ def prefix_end(template: Template, messages: list[dict], add_generation_prompt: 
     return len(head) if text.startswith(head) else None
 
 
-def locate(template: Template, messages: list[dict], text: str, prefixes: bool
+def locate(template: Template, messages: list[dict], text: str, prefixes: bool, where: str
            ) -> tuple[list[Optional[int]], list[Optional[Span]]]:
     """Where each message's content lies in `text`, the rendering of `messages`, searched in order; with `prefixes`,
     where each assistant turn begins when the conversation before it (with the generation prompt) renders as a
-    prefix of `text` (None elsewhere)."""
+    prefix of `text` (None elsewhere). An assistant's content found more than once whose place cannot be verified
+    is one line."""
     starts: list[Optional[int]] = []
     contents: list[Optional[Span]] = []
     cursor = 0
@@ -55,11 +56,38 @@ def locate(template: Template, messages: list[dict], text: str, prefixes: bool
         start = prefix_end(template, messages[:i], True, text) if prefixes and m["role"] == "assistant" else None
         cursor = max(cursor, start or 0)
         span = find(text, m["content"], cursor) if m["content"] else None
+        if span is not None and m["role"] == "assistant" and text.find(text[span[0]:span[1]], span[0] + 1) >= 0:
+            span = placed(template, messages, i, text, span, cursor)  # found more than once: which is the turn's?
+            if span is None:
+                raise unlabelled(template, where, i, f"with its content ({m['content']!r:.40}) also in the template's "
+                                 "own text around it, and where the turn is cannot be verified")
         if span is not None:
             cursor = span[1]
         starts.append(start)
         contents.append(span)
     return starts, contents
+
+
+SENTINEL = "\ue000accutrain\ue001"  # stands in for a turn's content, to see where a template puts it
+
+
+def placed(template: Template, messages: list[dict], i: int, text: str, span: Span, cursor: int) -> Optional[Span]:
+    """Where message `i`'s content lies in `text` when it is found there more than once from `cursor` on (a short
+    answer is also in the template's own text: `a` in `<|assistant|>`): the place a sentinel put in its stead takes
+    in the rendering — every other character the same — or None when the template does not render it so."""
+    found, content = text[span[0]:span[1]], messages[i]["content"]
+    k = content.find(found) if found in (content, content.strip()) else content.rfind(found)  # else: after </think>
+    probe = [*messages[:i], {**messages[i], "content": content[:k] + SENTINEL + content[k + len(found):]},
+             *messages[i + 1:]]
+    try:
+        other = template.render(probe, False, "")
+    except UserError:
+        return None
+    at = other.find(SENTINEL)
+    after = other[at + len(SENTINEL):]
+    if at < cursor or SENTINEL in after or other[:at] != text[:at] or text[at:] != found + after:
+        return None
+    return at, at + len(found)
 
 
 def turn_spans(template: Template, messages: list[dict], text: str, starts: list[Optional[int]],
@@ -150,7 +178,7 @@ def encode_conversation(template: Template, messages: list[dict], ignore_index: 
     tokens — the EOS after a final assistant turn too (appended when the template does not end the turn with it)."""
     text = template.render(messages, False, where)
     tokens = template.tokens(text, where)
-    starts, contents = locate(template, messages, text, prefixes=not template.markers)
+    starts, contents = locate(template, messages, text, not template.markers, where)
     if template.markers:
         mask = template.marked(messages, len(tokens.ids), where)
         trained = tokens.spans(mask)

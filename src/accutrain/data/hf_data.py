@@ -20,7 +20,8 @@ import numpy as np
 from accutrain.data.datasets import Datasets
 from accutrain.data.hf_records import (ROLES, Reading, class_names, description, encoding, kept_items, task,
                                        tokenized_split, tokenizer_for)
-from accutrain.data.hf_sources import load, require_datasets
+from accutrain.data.hf_sources import load, require_datasets, text_columns
+from accutrain.data.json_records import decoded, is_json_table
 from accutrain.data.packing import packing_mode, packing_name
 from accutrain.data.preference import PAIRS, PreferenceFields, preference_kind
 from accutrain.data.preference_items import Part, preference_datasets
@@ -56,7 +57,8 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
         from accutrain.data.stream import stream_data
 
         return stream_data(datasets, r)
-    source = load(datasets, train, split, cache_dir, "data.train")
+    text = text_columns(roles)
+    source = load(datasets, train, split, cache_dir, "data.train", text=text)
     names = PreferenceFields(roles["prompt"], roles["chosen"], roles["rejected"], roles["completion"], roles["label"])
     if (preference := preference_kind(source.column_names, names)) is not None:  # loss=dpo, orpo, kto's records
         return hf_preference(datasets, r, source, preference, names)
@@ -71,7 +73,8 @@ def hf_data(train: str, val: Optional[str] = None, val_fraction: float = 0.1, sp
     classes = class_names(source, roles["label"], train) if kind == "classes" else None
     arguments = encoding(r, kind, tok, template, classes)
     parts = [tokenized_split(datasets, "data.train", train, source, kind, arguments)]
-    parts += [tokenized_split(datasets, key, name, load(datasets, name, part_split, cache_dir, key), kind, arguments)
+    parts += [tokenized_split(datasets, key, name, load(datasets, name, part_split, cache_dir, key, text=text), kind,
+                              arguments)
               for key, name, part_split in (("data.val", val, val_split), ("data.test", test, test_split))
               if name is not None]
     splits = [(table, np.arange(len(table)), tally) for table, tally, _ in parts]
@@ -108,13 +111,14 @@ def hf_pairs(datasets: Any, r: Reading, source: Any, columns: PairColumns) -> Da
                         "text pairs (data.columns.anchor and .positive): use data.packing=false")
     rows: list[Optional[list[int]]] = [None, None]  # each split's records' rows in its file (held out: the file's)
     if r.val is not None:
-        held = load(datasets, r.val, r.val_split, r.cache_dir, "data.val")
+        held = load(datasets, r.val, r.val_split, r.cache_dir, "data.val", text=text_columns(r.roles))
     else:
         kept, out = (part.tolist() for part in hold_out(len(source), r.val_fraction, r.seed))
         source, held, rows = source.select(kept), source.select(out), [kept, out]
     parts = [(source, r.train), (held, r.val or r.train)]
     if r.test is not None:
-        parts.append((load(datasets, r.test, r.test_split, r.cache_dir, "data.test"), r.test))
+        parts.append((load(datasets, r.test, r.test_split, r.cache_dir, "data.test", text=text_columns(r.roles)),
+                      r.test))
     tok = load_tokenizer(r.tokenizer)
     splits = []
     for (part, where), row in zip(parts, rows + [None]):
@@ -123,7 +127,8 @@ def hf_pairs(datasets: Any, r: Reading, source: Any, columns: PairColumns) -> Da
         if missing:
             raise UserError(f"{where} has no column {missing[0]!r} (data.columns); its columns are: "
                             f"{', '.join(part.column_names)}")
-        records = part.select_columns(wanted).to_list()
+        records = part.select_columns(wanted).to_dict()
+        records = [dict(zip(records, row)) for row in zip(*decoded(records, is_json_table(part)).values())]
         splits.append(pair_items(records, columns, tok, r.max_length, where,
                                  (lambda i, row=row: row[i] + 1) if row is not None else None))
     return pair_datasets(splits, tok, r.max_length, r.padding, f"hf {r.train} ({describe_pairs(columns, wanted)}; "
@@ -140,14 +145,14 @@ def hf_preference(datasets: Any, r: Any, source: Any, kind: str, names: Preferen
     train_tally = Tally("data.train", r.train, read=len(source))
     sources = [(source, list(range(len(source))), train_tally)]
     if r.val is not None:
-        held = load(datasets, r.val, r.val_split, r.cache_dir, "data.val")
+        held = load(datasets, r.val, r.val_split, r.cache_dir, "data.val", text=text_columns(r.roles))
         sources.append((held, list(range(len(held))), Tally("data.val", r.val, read=len(held))))
     else:
         kept, out = (part.tolist() for part in hold_out(len(source), r.val_fraction, r.seed))
         sources = [(source, kept, train_tally), (source, out, train_tally)]
         train_tally.held_out = len(out)
     if r.test is not None:
-        tested = load(datasets, r.test, r.test_split, r.cache_dir, "data.test")
+        tested = load(datasets, r.test, r.test_split, r.cache_dir, "data.test", text=text_columns(r.roles))
         sources.append((tested, list(range(len(tested))), Tally("data.test", r.test, read=len(tested))))
     parts: list[Part] = []
     for table, rows, tally in sources:
@@ -155,7 +160,8 @@ def hf_preference(datasets: Any, r: Any, source: Any, kind: str, names: Preferen
         if missing:
             raise UserError(f"{tally.source} has no column {missing[0]!r} (data.columns); its columns are: "
                             f"{', '.join(table.column_names)}")
-        records = table.select(rows).select_columns(wanted).to_list()
+        columns = decoded(table.select(rows).select_columns(wanted).to_dict(), is_json_table(table))
+        records = [dict(zip(columns, values)) for values in zip(*columns.values())]
         where = Where(tally.source)
         parts.append((records, rows, tally, lambda row, where=where: Named(where, row)))
     return preference_datasets(parts, kind, names, load_tokenizer(r.tokenizer), r.tokenizer, r.chat_template,

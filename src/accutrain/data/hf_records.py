@@ -14,6 +14,7 @@ import numpy as np
 
 from accutrain.data.arrow_items import ArrowItems
 from accutrain.data.chat import encode_chat
+from accutrain.data.json_records import decoded, fields, is_json_table
 from accutrain.data.packing import describe
 from accutrain.data.records import Tally, Where, trained
 from accutrain.data.template import Template, chat_template
@@ -55,9 +56,11 @@ def encode_batch(batch: dict[str, list], rows: list[int], kind: str, tok: Any, t
 
 def tokenize(batch: dict[str, list], rows: list[int], *, kind: str, tok: Any, template: Optional[Template],
              roles: dict[str, str], ignore_index: int, max_length: Optional[int], where: Where,
-             classes: Optional[dict[Any, int]]) -> dict[str, list]:
+             classes: Optional[dict[Any, int]], json_text: bool = False) -> dict[str, list]:
     """Dataset.map's batched function: records as input_ids and labels truncated to max_length (None: kept whole,
-    for packing=concat), with their row, length, trained tokens, whether they were truncated (and class)."""
+    for packing=concat), with their row, length, trained tokens, whether they were truncated (and class);
+    `json_text`: the batch is a json_table's (data/json_records.py)."""
+    batch = decoded(batch, json_text)
     out: dict[str, list] = dict(input_ids=[], labels=[], row=[], length=[], trained=[], truncated=[])
     for (ids, labels), row in zip(encode_batch(batch, rows, kind, tok, template, roles, ignore_index, where), rows):
         cut = max_length is not None and len(ids) > max_length
@@ -68,7 +71,7 @@ def tokenize(batch: dict[str, list], rows: list[int], *, kind: str, tok: Any, te
     if classes is not None:
         out["class"] = []
         for value, row in zip(batch[roles["label"]], rows):
-            if value not in classes:
+            if isinstance(value, (dict, list)) or value not in classes:
                 raise UserError(f"{where(row)}: label {value!r} is not among the training records' classes "
                                 f"({', '.join(map(str, list(classes)[:8]))}{', …' if len(classes) > 8 else ''})")
             out["class"].append(classes[value])
@@ -77,7 +80,7 @@ def tokenize(batch: dict[str, list], rows: list[int], *, kind: str, tok: Any, te
 
 def class_names(table: Any, column: str, where: str) -> dict[Any, int]:
     """The training records' classes: non-negative integers as they are, or names by their sorted place."""
-    values = table.unique(column)
+    values = fields(table.unique(column)) if is_json_table(table) else table.unique(column)
     if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         return {i: i for i in range(max(values) + 1)}
     if not all(isinstance(v, str) for v in values):
@@ -93,7 +96,8 @@ def tokenized(datasets: Any, part: Any, **arguments: Any) -> Any:
                     length=int32, trained=int32, truncated=datasets.Value("bool"))
     if arguments["classes"] is not None:
         features["class"] = datasets.Value("int64")
-    return part.map(functools.partial(tokenize, **arguments), batched=True, with_indices=True,
+    return part.map(functools.partial(tokenize, json_text=is_json_table(part), **arguments), batched=True,
+                    with_indices=True,
                     remove_columns=part.column_names, features=datasets.Features(features))
 
 

@@ -6,7 +6,8 @@ record (its line in the file) and what is wrong.
   carries `tool_calls` (the OpenAI format of a turn that only calls tools), where it is the empty string.
 - `role`: system, user, assistant or tool (a tool's result, rendered as context).
 - `tool_calls` on assistant messages: [{"type": "function", "function": {"name", "arguments"}}] (or the function's
-  fields alone); `arguments` given as a JSON string are parsed into the object chat templates expect.
+  fields alone); `arguments` given as a JSON string are parsed into the object chat templates expect — arguments
+  that are not a JSON object (or a string holding one) are refused, naming the record.
 - `reasoning_content` on assistant messages (a string), for templates that render reasoning.
 Keys left null by the datasets library (a column every record has, this one without a value) are dropped.
 """
@@ -52,10 +53,15 @@ def tool_call(call: Any, where: str, n: int) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):  # the OpenAI format: the arguments as a JSON string
         try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
-            parsed = None
-        arguments = parsed if isinstance(parsed, dict) else arguments
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}, message {n}: tool call {function['name']!r} has arguments that are not JSON "
+                            f"({e}: {function['arguments']!r:.60}): expected a JSON object, or a string holding "
+                            "one — a chat template renders the arguments as an object") from None
+    if arguments is not None and not isinstance(arguments, Mapping):
+        raise UserError(f"{where}, message {n}: tool call {function['name']!r} has arguments "
+                        f"{json.dumps(arguments, default=str)[:60]}: expected a JSON object (name → value), or a "
+                        "string holding one")
     out = {k: v for k, v in call.items() if v is not None and k != "function"} if isinstance(call, Mapping) else {}
     return {**out, "type": "function", "function": {"name": function["name"], "arguments": arguments or {}}}
 

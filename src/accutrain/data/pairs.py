@@ -11,6 +11,7 @@ a positive. A micro-batch pads each text role to its own longest (PadCollate).
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -20,6 +21,8 @@ from accutrain.core.batches import PadCollate
 from accutrain.data.splits import Datasets, Tokenized
 from accutrain.data.tokenizer import pad_id
 from accutrain.errors import UserError
+
+log = logging.getLogger("accutrain")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ def pair_datasets(splits: list[Tokenized], tok: Any, max_length: int, padding: s
     if padding == "free":
         raise UserError("data.padding=free lays a micro-batch's samples end to end in one row; text pairs embed each "
                         "text alone (an embedding per row): use data.padding=longest")
+    warn_one_candidate(splits[0], description)
     pad = pad_id(tok)
     roles = [key.removesuffix(".input_ids") for key in splits[0][0] if key.endswith(".input_ids")]
     collate = PadCollate({f"{role}.input_ids": pad for role in roles}, default=0,
@@ -117,6 +121,17 @@ def pair_datasets(splits: list[Tokenized], tok: Any, max_length: int, padding: s
                     extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
                                max_length=max_length),
                     collate=collate, tokenizer=tok, classes="")  # no classes: num_classes is unused
+
+
+def warn_one_candidate(train: Tokenized, description: str) -> None:
+    """A warning at load when every training record's positive (and negative) is the same text: a window's
+    candidates are then all alike, and the contrastive loss has nothing to tell apart — its gradient is 0."""
+    keys = {int(k) for item in train for k in item["labels"].tolist()}
+    if len(keys) == 1 and len(train) > 1:
+        log.warning(f"data: every one of the {len(train):,} training records of {description.split(' (')[0]} has the "
+                    "same positive text (and no other negative): a window's candidates are all alike, so the "
+                    "contrastive loss has nothing to tell apart and nothing is learned (its gradient is 0) — give "
+                    "records with different positives")
 
 
 def describe(columns: PairColumns, fields: Sequence[str]) -> str:

@@ -18,7 +18,7 @@ from accutrain.data.arrow_items import item
 from accutrain.data.datasets import Datasets
 from accutrain.data.hf_records import (Reading, description, encoding, kept_items, task, tokenize, tokenized_split,
                                        tokenizer_for)
-from accutrain.data.hf_sources import load
+from accutrain.data.hf_sources import load, text_columns
 from accutrain.data.records import Where, detail, log_tallies
 from accutrain.data.text import Tokenized, tokenized_datasets
 from accutrain.errors import UserError
@@ -40,7 +40,8 @@ class SampleStream:
 
     def open(self, state: Optional[dict]) -> Iterator[dict]:
         """The samples, from `state` (state()'s; None: the beginning)."""
-        source = load(self.datasets, self.r.train, self.r.split, self.r.cache_dir, "data.train", streaming=True)
+        source = load(self.datasets, self.r.train, self.r.split, self.r.cache_dir, "data.train", streaming=True,
+                      text=text_columns(self.r.roles))
         if state is not None:
             source.load_state_dict(state["source"])
         self.source, self.dropped = source, []
@@ -56,6 +57,8 @@ class SampleStream:
                 record = next(records)
             except StopIteration:
                 break
+            except UserError:  # a line of a local file that is not a record: named by its line
+                raise
             except Exception as e:  # a malformed line of a file, a network failure
                 line = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise UserError(f"data.train={self.r.train}: reading record {self.counts['row']} of the stream "
@@ -98,10 +101,14 @@ def stream_data(datasets: Any, r: Reading) -> Datasets:
     if r.val is None:
         raise UserError("data.streaming=true reads data.train as a stream, which is not split: give the held-out "
                         "records as data.val=<a file or a dataset name>")
+    if r.buffer_size < 1:
+        raise UserError(f"data.buffer_size={r.buffer_size} is not valid: expected the number of records the shuffle "
+                        "buffer holds, 1 or more (e.g. 1000; 1: no shuffling)")
     if r.packing:
         raise UserError("data.streaming=true cannot pack: packing lays blocks out over the whole training set; "
                         "set data.packing=false")
-    first = next(iter(load(datasets, r.train, r.split, r.cache_dir, "data.train", streaming=True)), None)
+    text = text_columns(r.roles)
+    first = next(iter(load(datasets, r.train, r.split, r.cache_dir, "data.train", streaming=True, text=text)), None)
     if first is None:
         raise UserError(f"data.train={r.train} holds no record")
     if r.roles["anchor"] in first and r.roles["positive"] in first:
@@ -118,7 +125,8 @@ def stream_data(datasets: Any, r: Reading) -> Datasets:
     if not head:
         raise UserError(f"data.train={r.train}: no record is left with a trained token at "
                         f"data.max_length={r.max_length}: raise data.max_length")
-    parts = [tokenized_split(datasets, key, name, load(datasets, name, part_split, r.cache_dir, key), kind, arguments)
+    parts = [tokenized_split(datasets, key, name, load(datasets, name, part_split, r.cache_dir, key, text=text), kind,
+                             arguments)
              for key, name, part_split in (("data.val", r.val, r.val_split), ("data.test", r.test, r.test_split))
              if name is not None]
     held = [kept_items(table, np.arange(len(table)), tally, r, kind, split)

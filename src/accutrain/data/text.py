@@ -10,6 +10,7 @@ Micro-batches are padded to their own longest sample (PadCollate), so the tokens
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,7 +59,8 @@ def read_records(path: str, key: str) -> list[dict[str, Any]]:
         raise UserError(f"{key}={path}: expected a .txt file (a sample per line) or a .jsonl file (a JSON object "
                         "per line)")
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        lines = re.split(r"\r\n|\r|\n", file.read_text(encoding="utf-8"))  # not str.splitlines: a JSON string may
+        # hold U+2028, U+0085 … as they are
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{key}={path}: cannot read it ({e})") from None
     if file.suffix == ".txt":

@@ -1,7 +1,8 @@
 """`model=hf_encoder`: a Hugging Face model as a text embedder for loss=contrastive — an encoder (BERT, RoBERTa,
 ModernBERT, …) or a decoder (last-token pooling) loaded with AutoModel, pretrained or randomly initialised from a
 config, its token states pooled (`pooling`: mean over the real tokens, the first token, or the last real token —
-found from the attention mask, so either padding side works) and L2-normalised (`normalize`). Adapters
+found from the attention mask, so either padding side works) and L2-normalised (`normalize`). The first token of a
+model that attends causally (a decoder) sees nothing after it: `cls` pooling is refused for one. Adapters
 (`adapter=lora`) as for the other Hugging Face models. Exported (trainer.export=hf) as a folder that
 sentence-transformers' `SentenceTransformer(path)` loads with the same pooling and normalisation, and
 transformers' `AutoModel` too.
@@ -108,6 +109,30 @@ def encoder(name_or_path: Optional[str] = None, pretrained: bool = True, config:
     adapters.check(adapter, quantize)
     model = load("AutoModel", name_or_path, pretrained, config, dropout, dtype, attn_implementation,
                  trust_remote_code, revision, vocab_size=vocab_size, pad_token_id=pad_token_id, quantize=quantize)
+    if pooling == "cls" and attends_causally(model):
+        raise UserError(f"model.pooling=cls on {name_or_path or (config or {}).get('model_type', 'this model')}: "
+                        "it attends causally (a decoder), so its first token's state never sees the rest of the text "
+                        "and every text that begins alike embeds identically: use model.pooling=last (or mean)")
     if getattr(model, "pooler", None) is not None:  # BERT's own pooler: unused here (the embedding is `pooling`'s),
         model.pooler = None  # and a layer without gradient would stall DDP's reduction on several devices
     return HFEncoder(adapt(model, "AutoModel", adapter, lora, quantize), pooling, normalize, max_length)
+
+
+def attends_causally(model: nn.Module) -> bool:
+    """Whether the model's first token's state is blind to the tokens after it (a decoder's causal attention): two
+    texts that share only their first token give it the same state."""
+    first = next(model.parameters(), None)
+    if first is None or first.device.type == "meta":
+        return False
+    vocab = int(getattr(model.config, "vocab_size", 8) or 8)
+    ids = torch.tensor([[1, 2, 3, 4], [1, 5, 6, 7]], device=first.device) % vocab
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            states = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state.float()
+    except Exception:  # a model that takes more than token ids (an encoder-decoder): the start-up check still asks
+        return False
+    finally:
+        model.train(training)
+    return torch.allclose(states[0, 0], states[1, 0], rtol=1e-5, atol=1e-6)

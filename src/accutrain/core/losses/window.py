@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.embedding_checks import check_distinct
 from accutrain.core.gradcache import accumulate_window_loss, evaluate_window, one_pass
 from accutrain.core.precision import Precision
 from accutrain.errors import UserError
@@ -119,12 +120,12 @@ class WindowLoss(abc.ABC):
         return []
 
     def check(self, model: nn.Module, batch: Batch, data: str) -> None:
-        """The pairs reach the model as pairs, and the model returns an embedding per input."""
+        """The pairs reach the model as pairs, an embedding per input, two different texts embedded apart."""
         training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                self.embed(model, batch)
+                check_distinct(self.embed(model, batch), batch.inputs, roles)
         finally:
             model.train(training)
 
