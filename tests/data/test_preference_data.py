@@ -7,15 +7,15 @@ import logging
 
 import pytest
 import torch
+from conftest import assert_one_line_user_error
 
 from accutrain.core.batches import BatchFormat
 from accutrain.core.losses.dpo import dpo
 from accutrain.core.losses.kto import kto
 from accutrain.data.hf_data import hf_data
 from accutrain.data.text import text_data
-from accutrain.train.show_sample import preference_sample
 from accutrain.data.tokenizer import ByteTokenizer
-from conftest import assert_one_line_user_error
+from accutrain.train.show_sample import preference_sample
 
 PLAIN = {"prompt": "the cat", "chosen": " sat", "rejected": " ran away"}
 CHAT = {"prompt": [{"role": "user", "content": "hi there"}], "chosen": [{"role": "assistant", "content": "hello"}],
@@ -125,6 +125,7 @@ def test_conversational_completions_are_labelled_whatever_the_template(name):
     prompt's turns (its own assistant turn too) do not, with templates that break the prefix property."""
     pytest.importorskip("transformers")
     from chat_templates import TEMPLATES, bpe_tokenizer
+
     from accutrain.data.preference import Encoder
     from accutrain.data.template import chat_template
 

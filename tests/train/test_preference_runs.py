@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-
 from conftest import assert_same_weights, final_weights, read_metrics, train_here
 
 pytest.importorskip("transformers")

@@ -14,12 +14,13 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+
 from accutrain.config import families
-from accutrain.core.losses.spec import LossNode
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import Factory
 from accutrain.core import samples
 from accutrain.core.batches import BatchFormat, batch_format
+from accutrain.core.losses.spec import LossNode
 from accutrain.core.options import Normalize
 from accutrain.core.windows import epoch_order
 from accutrain.data import views

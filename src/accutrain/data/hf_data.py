@@ -18,17 +18,25 @@ from typing import Any, Optional
 import numpy as np
 
 from accutrain.data.datasets import Datasets
-from accutrain.data.hf_records import (ROLES, Reading, class_names, description, encoding, kept_items, task,
-                                       tokenized_split, tokenizer_for)
+from accutrain.data.hf_records import (
+    ROLES,
+    Reading,
+    class_names,
+    description,
+    encoding,
+    kept_items,
+    task,
+    tokenized_split,
+    tokenizer_for,
+)
 from accutrain.data.hf_sources import load, require_datasets, text_columns
 from accutrain.data.json_records import decoded, is_json_table
 from accutrain.data.packing import packing_mode, packing_name
-from accutrain.data.preference import PAIRS, PreferenceFields, preference_kind
-from accutrain.data.preference_items import Part, preference_datasets
-from accutrain.data.records import Named, Tally, Where
 from accutrain.data.pairs import PairColumns, is_pairs, pair_datasets, pair_items
 from accutrain.data.pairs import describe as describe_pairs
-from accutrain.data.records import check_truncation, log_tallies
+from accutrain.data.preference import PAIRS, PreferenceFields, preference_kind
+from accutrain.data.preference_items import Part, preference_datasets
+from accutrain.data.records import Named, Tally, Where, check_truncation, log_tallies
 from accutrain.data.text import HELD_OUT_STREAM, check_lengths, tokenized_datasets
 from accutrain.data.tokenizer import load_tokenizer
 from accutrain.errors import UserError

@@ -18,13 +18,14 @@ import torch
 
 from accutrain.core.batches import FlatCollate, PadCollate
 from accutrain.data.datasets import Datasets
-from accutrain.data.splits import Tokenized
 from accutrain.data.packing import describe, pack, packing_mode, packing_name
-from accutrain.data.preference import PreferenceFields, preference_kind
-from accutrain.data.preference_items import text_preference
 from accutrain.data.pairs import PairColumns, is_pairs, line_numbers, pair_datasets, pair_items
 from accutrain.data.pairs import describe as describe_pairs
-from accutrain.data.records import Tally, Where, check_truncation, common_prefix, kept as kept_samples, log_tallies
+from accutrain.data.preference import PreferenceFields, preference_kind
+from accutrain.data.preference_items import text_preference
+from accutrain.data.records import Tally, Where, check_truncation, common_prefix, log_tallies
+from accutrain.data.records import kept as kept_samples
+from accutrain.data.splits import Tokenized
 from accutrain.data.tokenizer import load_tokenizer, pad_id
 from accutrain.errors import UserError
 from accutrain.seeding import generator
