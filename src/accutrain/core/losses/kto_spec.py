@@ -2,6 +2,7 @@
 refusals. The maths: core/losses/kto.py, kto_point.py."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -32,9 +33,14 @@ def kto_values(node: Mapping[str, Any]) -> None:
                         "the whole window, exact) or micro_batch (per micro-batch, not the big batch's)")
 
 
+def window_point(node: Mapping[str, Any], traits: Traits) -> Traits:
+    """reference_point=window: a sample's loss depends on the window's others (z0), so the window is seen whole."""
+    return dataclasses.replace(traits, whole_window=node.get("reference_point", "window") == "window")
+
+
 FAMILIES = (
     Family(name="kto", target=KTO, schema=KTONode,
            traits=Traits(task="feedback", output="logits", terms="samples"),
            metrics=("val_loss", "val_kl", "val_rewards_desirable", "val_rewards_undesirable"),
-           higher_is_better=("val_rewards_desirable",), refusals=(NOT_FSDP,), values=kto_values),
+           higher_is_better=("val_rewards_desirable",), refusals=(NOT_FSDP,), vary=window_point, values=kto_values),
 )
