@@ -133,6 +133,16 @@ def test_help_lists_the_config_groups_and_version_is_accutrains(tmp_path):
     assert run_cli("--version", cwd=tmp_path).stdout.strip() == f"accutrain {accutrain.__version__}"
 
 
+
+def test_accutrain_check_help_is_its_own_short_and_flags_first(tmp_path):
+    proc = run_cli("--help", cwd=tmp_path, script="accutrain-check")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("usage: accutrain-check [--show-sample[=N]] [key=value ...]")
+    assert lines[2].lstrip().startswith("--show-sample[=N]") and any("-h, --help" in line for line in lines[:6])
+    assert len(lines) <= 25 and "exit code 0: faithful; 1: not" in proc.stdout.lower()
+    assert "sweep" not in proc.stdout and "config groups (" not in proc.stdout  # not accutrain's help renamed
+    assert run_cli("-h", cwd=tmp_path, script="accutrain-check").stdout == proc.stdout
+
 VALUE_MISTAKES = [
     (["micro_batch=8", "global_batch=100"], "global_batch=100 is not a multiple of micro_batch 8 × devices 1"),
     (["micro_batch=8", "devices=2", "global_batch=64", "accum=2"], "accum=2 contradicts global_batch=64"),

@@ -18,6 +18,7 @@ from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.models import adapters
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint, rng
+from accutrain.store.classes import record
 from accutrain.store.files import read_jsonl, write_atomic
 from accutrain.train.components import Components
 
@@ -37,7 +38,7 @@ def checkpoint_state(parts: Components, p: Progress) -> tuple[dict[str, Any], Op
         format=checkpoint.FORMAT, **tensors, scheduler=parts.scheduler.state_dict(),
         scaler=parts.precision.scaler.state_dict() if parts.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=parts.plan.record(), config=with_supplied(parts.run, parts.supplied),
-        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric, base=parts.base,
+        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric, base=parts.base, classes=record(parts.class_names),
         noise_scale=parts.noise.state_dict() if parts.noise is not None else None,
         stream=parts.sampler.state_dict(p.epoch, p.window),  # a stream's position (None for a map-style set)
     ), shards
