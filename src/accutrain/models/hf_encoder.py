@@ -32,6 +32,7 @@ class HFEncoder(HFAdapter):
         self.pooling, self.normalize, self.max_length = pooling, normalize, max_length
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.positions = "position_ids" in inspect.signature(base.forward).parameters
+        self.set_aside: dict[str, nn.Module] = {}  # the base's unused pooler (encoder()): exported, never trained
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 **inputs: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,17 @@ class HFEncoder(HFAdapter):
     def save_pretrained(self, directory: Path, merged: bool = False) -> None:
         """save_pretrained of the model (an adapter: PEFT's files, or `merged` into the weights), and the module
         files sentence-transformers reads: modules.json, 1_Pooling/config.json, 2_Normalize/ (when normalised),
-        sentence_bert_config.json, config_sentence_transformers.json."""
-        super().save_pretrained(directory, merged=merged)
+        sentence_bert_config.json, config_sentence_transformers.json. The pooler set aside goes back into the
+        model's files, so that its loaders (AutoModel, sentence-transformers) find every weight they expect."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        device = next(base.parameters()).device
+        for name, module in self.set_aside.items():
+            setattr(base, name, module.to(device))
+        try:
+            super().save_pretrained(directory, merged=merged)
+        finally:
+            for name in self.set_aside:
+                setattr(base, name, None)
         directory = Path(directory)
         modules = [dict(idx=0, name="0", path="", type="sentence_transformers.models.Transformer"),
                    dict(idx=1, name="1", path="1_Pooling", type="sentence_transformers.models.Pooling")]
@@ -108,6 +118,9 @@ def encoder(name_or_path: Optional[str] = None, pretrained: bool = True, config:
     adapters.check(adapter, quantize)
     model = load("AutoModel", name_or_path, pretrained, config, dropout, dtype, attn_implementation,
                  trust_remote_code, revision, vocab_size=vocab_size, pad_token_id=pad_token_id, quantize=quantize)
-    if getattr(model, "pooler", None) is not None:  # BERT's own pooler: unused here (the embedding is `pooling`'s),
-        model.pooler = None  # and a layer without gradient would stall DDP's reduction on several devices
-    return HFEncoder(adapt(model, "AutoModel", adapter, lora, quantize), pooling, normalize, max_length)
+    pooler = getattr(model, "pooler", None)
+    if pooler is not None:  # BERT's own pooler: unused here (the embedding is `pooling`'s), and a layer without
+        model.pooler = None  # gradient would stall DDP's reduction on several devices; set aside for the export
+    wrapped = HFEncoder(adapt(model, "AutoModel", adapter, lora, quantize), pooling, normalize, max_length)
+    wrapped.set_aside = {"pooler": pooler} if pooler is not None else {}
+    return wrapped
