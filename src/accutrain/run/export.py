@@ -1,6 +1,6 @@
 """trainer.export: the trained model written for use outside accutrain — its weights alone (model.safetensors),
 or save_pretrained's folder (hf; merged: the adapter merged in) — each with what loading it needs said and
-recorded (the class names by output index)."""
+recorded (the class names by output index; an adapter's base, models.adapter_export)."""
 from __future__ import annotations
 
 import logging
@@ -24,8 +24,11 @@ def export(parts: Components, run_dir: Path, step: int) -> None:
                  "load_state_dict" + ("; its metadata's `classes` names each output" if parts.class_names else "")
                  + ")")
         return
+    from accutrain.models import adapter_export
     from accutrain.models.hf import export as save_pretrained
 
     merged = parts.trainer.export == "merged"
-    log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
-             f"{save_pretrained(parts.model, parts.tokenizer, run_dir / 'hf', merged=merged)}")
+    directory = save_pretrained(parts.model, parts.tokenizer, run_dir / 'hf', merged=merged)
+    log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to {directory}")
+    if parts.base is not None and getattr(parts.model, "adapted", False):  # the adapter alone: its base, said
+        log.info(adapter_export.complete(parts.model.model, parts.base, directory))
