@@ -19,7 +19,7 @@ from accutrain.parallel.state_dicts import write_sharded
 from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
 from accutrain.run.export import export
-from accutrain.run.malloc import tune_malloc
+from accutrain.run.cpu import prepare as prepare_cpu
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import checkpoint, owned
 from accutrain.store.classes import record
@@ -42,10 +42,9 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
     checkpoints/ go into run_dir."""
     device = dist.worker_device(device, world)
-    if device.type == "cpu" and cfg.trainer.tune_malloc:
-        tuned = tune_malloc()  # in every rank's process, before the data and the model are made
+    for line in prepare_cpu(cfg.trainer, device, world.size):  # every rank's process, before the data and model
         if world.main:
-            log.info(tuned)
+            log.info(line)
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
     if world.main:
