@@ -37,6 +37,7 @@ def test_the_closing_lines_fit_a_terminal_and_give_the_summary_tables_figures(tm
     assert f"measured noise scale B_simple ≈ {noise} late in training" in report
 
 
+@pytest.mark.quick
 def test_a_run_writes_its_outputs_into_the_run_directory(tmp_path):
     run_dir, proc = train_run(tmp_path, "run", *TINY, "data.size=100", "micro_batch=10", "accum=2",
                               "trainer.max_steps=7", "trainer.eval_every=3")
@@ -86,6 +87,7 @@ def test_custom_model_from_the_working_directory(tmp_path):
     (["micro_batch=0"], ["micro_batch=0", "positive integer"]),
     (["data=imagefolder", "data.root=/nonexistent/images"], ["/nonexistent/images", "train/"]),
 ])
+@pytest.mark.quick
 def test_user_errors_end_in_one_line(tmp_path, args, fragments):
     _, proc = train_run(tmp_path, "err", *args, check=False)
     assert proc.returncode == 2
@@ -123,6 +125,7 @@ def test_config_mistakes_hydra_would_catch_are_one_line_and_exit_2(tmp_path, arg
     assert not (tmp_path / "err").exists()  # refused before anything was written
 
 
+@pytest.mark.quick
 def test_help_lists_the_config_groups_and_version_is_accutrains(tmp_path):
     out = run_cli("--help", cwd=tmp_path).stdout
     for group in ("model:", "data:", "optim:", "sched:", "debug:"):
