@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
-from conftest import make_image_folder, train_run
+import pytest
+
+from accutrain.errors import UserError
+from conftest import assert_one_line_user_error, make_image_folder, train_here, train_run
 
 READ_BACK = """
 import json, sys
@@ -33,3 +36,16 @@ def test_an_image_folders_class_names_are_in_the_log_checkpoint_status_and_expor
     names = ["circle", "square", "triangle"]
     assert json.loads(read.stdout) == dict(checkpoint=names, best=names, status=names, export=names)
 
+
+
+def test_a_resume_onto_other_class_names_is_refused_in_one_line(tmp_path):
+    root = make_image_folder(tmp_path / "shapes", classes=("circle", "square", "triangle"))
+    args = ["model=cnn", "data=imagefolder", f"data.root={root}", "data.image_size=8", "loader.num_workers=0",
+            "micro_batch=6", "trainer.progress=false"]
+    run_dir, _ = train_here(tmp_path, "run", *args, "trainer.epochs=1")
+    for split in ("train", "val"):  # square → box: box, circle, triangle — output 0 would mean another class
+        (root / split / "square").rename(root / split / "box")
+    with pytest.raises(UserError) as info:
+        train_here(tmp_path, "run", *args, "trainer.epochs=2", "resume=auto")
+    assert_one_line_user_error(info.value, "step-00000003.pt was trained on other classes: its output 0 is 'circle', "
+                               "this data's 'box'", "resume with the same class names")

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from accutrain.errors import UserError
+
 SHOWN = 12  # the log names this many classes, then counts the rest (status.json lists every one)
 
 
@@ -37,3 +39,15 @@ def from_weights(path: Path) -> Optional[list[str]]:
     with safe_open(str(path), framework="pt") as f:
         found: Any = (f.metadata() or {}).get("classes")
     return json.loads(found) if found else None
+
+
+def refuse_other_classes(path: Any, saved: Optional[list[str]], now: Optional[list[str]]) -> None:
+    """A resume continues on the classes the checkpoint was trained on: other names, or another order, would change
+    what an output means — refused in one line naming the first that differs."""
+    if saved is None or now is None or saved == now:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(saved, now)) if a != b), min(len(saved), len(now)))
+    before, after = (names[i] if i < len(names) else "none" for names in (saved, now))
+    raise UserError(f"{path} was trained on other classes: its output {i} is {before!r}, this data's {after!r} "
+                    f"({len(saved)} classes there, {len(now)} here; status.json and the checkpoints list them as "
+                    "`classes`): resume with the same class names, or start afresh")

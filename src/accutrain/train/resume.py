@@ -18,7 +18,7 @@ from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.models import adapters
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint, rng
-from accutrain.store.classes import record
+from accutrain.store.classes import record, refuse_other_classes
 from accutrain.store.files import read_jsonl, write_atomic
 from accutrain.train.components import Components
 
@@ -114,6 +114,7 @@ def restore(parts: Components, path: Path) -> Progress:
     now = with_supplied(parts.run, parts.supplied)  # as config.yaml and the checkpoint record it
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, now)
     adapters.refuse_another_base(path, state.get("base"), parts.base)
+    refuse_other_classes(path, state.get("classes"), record(parts.class_names))
     say_another_precision(path, state.get("config") or {}, now)
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in parts.optimizer.param_groups]
     fresh_base = list(getattr(parts.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor
