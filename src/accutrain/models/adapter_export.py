@@ -27,10 +27,11 @@ def base_state(peft_model: nn.Module) -> dict[str, Any]:
             for key, value in state.items() if not PEFT_ONLY.search(key)}
 
 
-def complete(peft_model: nn.Module, base: dict[str, Any], directory: Path) -> str:
+def complete(model: nn.Module, base: dict[str, Any], directory: Path) -> str:
     """Write what the base was beside the adapter PEFT saved in `directory` (and the base itself where no name loads
-    it); the sentence that says how to load the adapter."""
-    directory = Path(directory).resolve()
+    it, with the modules `model`, accutrain's wrapper, set aside: model=hf_encoder's pooler); the sentence that says
+    how to load the adapter."""
+    directory, peft_model = Path(directory).resolve(), model.model
     (directory / BASE_RECORD).write_text(json.dumps(base, indent=2, default=str) + "\n")
     auto = AUTO_CLASSES.get(str(base.get("factory")).rsplit(".", 1)[-1], "AutoModel")
     arguments = base.get("arguments") or {}
@@ -40,7 +41,9 @@ def complete(peft_model: nn.Module, base: dict[str, Any], directory: Path) -> st
         source = f"{base['name_or_path']!r}{revision}"
     else:  # initialised at random: the weights the adapter was trained on exist nowhere else
         saved = directory / BASE_DIR
-        peft_model.get_base_model().save_pretrained(saved, state_dict=base_state(peft_model))
+        aside = {f"{name}.{key}": value for name, module in getattr(model, "set_aside", {}).items()
+                 for key, value in module.state_dict().items()}
+        peft_model.get_base_model().save_pretrained(saved, state_dict={**base_state(peft_model), **aside})
         config_file = directory / "adapter_config.json"
         adapter_config = json.loads(config_file.read_text())
         adapter_config["base_model_name_or_path"] = str(saved)

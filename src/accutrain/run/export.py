@@ -31,4 +31,4 @@ def export(parts: Components, run_dir: Path, step: int) -> None:
     directory = save_pretrained(parts.model, parts.tokenizer, run_dir / 'hf', merged=merged)
     log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to {directory}")
     if parts.base is not None and getattr(parts.model, "adapted", False):  # the adapter alone: its base, said
-        log.info(adapter_export.complete(parts.model.model, parts.base, directory))
+        log.info(adapter_export.complete(parts.model, parts.base, directory))
