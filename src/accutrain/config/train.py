@@ -22,8 +22,7 @@ from accutrain.config import families
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (MISSING, AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
                                       CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
-                                      MLPModel,
-                                      ScalingConfig, SGDOptim, TorchvisionModel)
+                                      MLPModel, ScalingConfig, SGDOptim, TorchvisionModel)
 from accutrain.core.options import LastWindow
 
 if TYPE_CHECKING:
@@ -161,6 +160,7 @@ class TrainerConfig:
     # adapted model with its adapter merged into the weights
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
     tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
+    threads: Any = None  # PyTorch's threads: null (its default, or OMP_NUM_THREADS) | N | auto (what the load leaves)
     compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once
     compile_mode: Optional[str] = None  # torch.compile's mode: default | reduce-overhead | max-autotune | …
     compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for debugging)

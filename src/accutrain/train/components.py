@@ -54,6 +54,7 @@ class Components:
     noise: Optional[NoiseScale] = None  # the gradient noise scale's estimator (trainer.noise_scale)
     test_loader: Optional[Any] = None  # the test split (data.test), every rank its share: evaluated at the end
     base: Optional[dict[str, Any]] = None  # an adapted model's frozen base (models.adapters.base_record), or None
+    class_names: tuple[str, ...] = ()  # the data's: entry i names output i (store.classes records them)
 
     @property
     def trainer(self) -> TrainerConfig:
