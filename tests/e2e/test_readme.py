@@ -249,6 +249,8 @@ QUICK = {
     "a per-term loss": "tests/train/test_exact_losses.py::test_each_loss_accumulated_equals_the_big_batch[mse]",
     "the contrastive window": "tests/train/test_contrastive.py::test_window_loss_accumulated_equals_the_big_batch[extra0]",
     "a mixture of experts": "tests/models/test_moe.py::test_the_window_takes_the_big_batchs_steps[accum]",
+    "the triplet window": "tests/core/test_triplet.py::test_micro_batches_give_the_window_gradient_and_per_micro_batch_negatives_do_not",
+    "a family of the user's": "tests/train/test_plugin_family.py::test_a_class_implementing_the_protocol_is_a_family_with_its_traits",
     "two devices": "tests/parallel/test_ddp.py::test_two_ranks_equal_one_device_and_the_big_batch",
     "the formula": "tests/core/test_step.py::test_accumulated_gradient_equals_big_batch_on_a_short_tail",
     "the windows": "tests/core/test_windows.py::test_same_windows_whatever_the_split",
