@@ -140,7 +140,7 @@ class TrainerConfig:
     ema: Optional[float] = None  # decay of an exponential moving average of the weights (e.g. 0.999); null: none
     ema_warmup: bool = False  # decay min(ema, (1 + n) / (10 + n)) after n updates: the average forgets its start
     ema_device: Optional[str] = None  # where the average lives: null beside the weights, or cpu
-    noise_scale: bool = False  # the gradient noise scale B_simple per optimizer step (accutrain.core.noise_scale)
+    noise_scale: bool = False  # the gradient noise scale B_simple per optimizer step (accutrain.train.noise_scale)
     noise_scale_decay: float = 0.95  # the moving averages of its |G|² and tr Σ estimates, per optimizer step
     monitor: str = "auto"  # the evaluation metric best.pt and early stopping follow; auto: the loss's (core/monitor)
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses

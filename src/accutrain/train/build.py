@@ -21,7 +21,7 @@ from accutrain.core import compiled, lr_scaling
 from accutrain.core.grad_buffers import grad_buffer_spec
 from accutrain.core.mixing import make_mixer
 from accutrain.train.monitor import Monitor
-from accutrain.core.noise_scale import NoiseScale
+from accutrain.train.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use
 from accutrain.core.token_budget import TokenLengths

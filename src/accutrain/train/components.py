@@ -14,7 +14,7 @@ from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
 from accutrain.train.monitor import Monitor
-from accutrain.core.noise_scale import NoiseScale
+from accutrain.train.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision
 from accutrain.core.streams import StreamSampler
