@@ -27,7 +27,7 @@ import torch
 import bench_overhead  # scripts/: run as `python scripts/bench_noise_scale.py`
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
-from accutrain.core.noise_scale import NoiseScale
+from accutrain.train.noise_scale import NoiseScale
 from accutrain.dist import World
 
 

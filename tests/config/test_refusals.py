@@ -7,7 +7,6 @@ import ctypes
 import os
 import resource
 import struct
-import subprocess
 import time
 
 import pytest

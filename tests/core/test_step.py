@@ -1,4 +1,5 @@
 """The one formula: the accumulated gradient is the gradient of the window's mean loss."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +26,7 @@ def big_batch_grad(model, x, y):
     return grads(model)
 
 
+@pytest.mark.quick
 def test_accumulated_gradient_equals_big_batch_on_a_short_tail():
     model, x, y = model_and_data(n=14)  # micro-batches of 4: 4, 4, 4, 2
     expected = big_batch_grad(model, x, y)
@@ -36,6 +38,7 @@ def test_accumulated_gradient_equals_big_batch_on_a_short_tail():
     torch.testing.assert_close(loss_sum.sum() / 14, F.cross_entropy(model(x), y).detach(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.quick
 def test_dividing_by_accum_would_be_wrong_on_a_short_tail():
     """The naive recipe (mean loss per micro-batch / accum) over-weights the short micro-batch."""
     model, x, y = model_and_data(n=14)

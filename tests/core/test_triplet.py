@@ -42,6 +42,7 @@ def test_the_loss_and_its_gradient_are_the_hand_written_batch_hard_formula(dista
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.quick  # the quick tier's triplet window
 def test_micro_batches_give_the_window_gradient_and_per_micro_batch_negatives_do_not():
     """Gradient caching over 3 micro-batches (4, 4, 2) equals one differentiable pass over the window of 10."""
     torch.manual_seed(1)

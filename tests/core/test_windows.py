@@ -24,6 +24,7 @@ def members(window_list):
     return [sorted(i for mb in w for i in mb) for w in window_list]
 
 
+@pytest.mark.quick
 def test_same_windows_whatever_the_split():
     reference = members(windows(32, 1))
     assert members(windows(8, 4)) == reference

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accutrain import dist
 from accutrain.config.targets import instantiate
-from accutrain.config.train import compose as compose_config
 from accutrain.core import grad_buffers
 from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.losses.cross_entropy import make_loss

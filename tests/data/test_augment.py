@@ -201,7 +201,6 @@ def test_pretrained_normalisation_comes_from_the_weights_metadata(compose):
     (["loss.label_smoothing=1.5"], ["loss.label_smoothing=1.5"]),
 ])
 def test_bad_augmentation_input_is_one_line_naming_the_key(tmp_path, args, fragments):
-    from accutrain.config.train import compose as compose_config
     from accutrain.runtime.launch import train
 
     with pytest.raises(UserError) as e:
@@ -303,7 +302,6 @@ def test_a_flip_stays_where_a_mirror_keeps_the_classes(compose):
 def test_trivialaugment_on_small_images_is_warned_about_at_start(tmp_path):
     from conftest import captured_log
 
-    from accutrain.config.train import compose as compose_config
 
     with captured_log() as log:
         build(run_of(*TINY, "augment=trivialaugment"), World(), torch.device("cpu"))
@@ -318,7 +316,6 @@ def test_trivialaugment_on_small_images_is_warned_about_at_start(tmp_path):
     (["augment=crop_flip", "augment.padding=-1"], ["augment.padding=-1", "auto or 0 or more"]),
 ])
 def test_bad_flip_or_padding_is_one_line(tmp_path, args, fragments):
-    from accutrain.config.train import compose as compose_config
     from accutrain.runtime.launch import train
 
     with pytest.raises(UserError) as e:

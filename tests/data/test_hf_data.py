@@ -159,8 +159,8 @@ def test_records_max_length_leaves_untrained_are_counted_dropped_and_listed(tmp_
     with captured_log() as log:
         data = hf_data(str(path), **common(tmp_path))
     line = next(line for line in log.getvalue().splitlines() if "records read" in line)
-    assert line == (f"data.train={path}: 20 records read, 5 held out, 20 truncated at data.max_length=64, 10 left "
-                    "with no trained token and dropped (listed in train.log)")
+    assert line == (f"data.train={path}: 20 records read, 5 held out, 20 truncated at data.max_length=64 (lines 1, 2, "
+                    "3, 4, 5, and 15 more), 10 left with no trained token and dropped (listed in train.log)")
     assert len(data.train) + len(data.val) == 10  # the rest are trained on
     for split in (data.train, data.val):
         assert all((split[i]["labels"][1:] != -100).any() for i in range(len(split)))
@@ -232,8 +232,8 @@ def test_a_run_trains_on_the_records_truncation_leaves_trained(tmp_path):
                           "data.val_fraction=0.25",
                           f"data.cache_dir={tmp_path / 'cache'}", "micro_batch=2", "accum=2", "trainer.epochs=2",
                           "trainer.progress=false")
-    assert "20 records read, 5 held out, 20 truncated at data.max_length=64, 10 left with no trained token and " \
-           "dropped" in log
+    assert "20 records read, 5 held out, 20 truncated at data.max_length=64 (lines 1, 2, 3, 4, 5, and 15 more), 10 " \
+           "left with no trained token and dropped" in log
     import re
 
     kept = int(re.search(r"(\d+) training samples", log).group(1))

@@ -37,6 +37,7 @@ def test_the_closing_lines_fit_a_terminal_and_give_the_summary_tables_figures(tm
     assert f"measured noise scale B_simple ≈ {noise} late in training" in report
 
 
+@pytest.mark.quick
 def test_a_run_writes_its_outputs_into_the_run_directory(tmp_path):
     run_dir, proc = train_run(tmp_path, "run", *TINY, "data.size=100", "micro_batch=10", "accum=2",
                               "trainer.max_steps=7", "trainer.eval_every=3")
@@ -86,6 +87,7 @@ def test_custom_model_from_the_working_directory(tmp_path):
     (["micro_batch=0"], ["micro_batch=0", "positive integer"]),
     (["data=imagefolder", "data.root=/nonexistent/images"], ["/nonexistent/images", "train/"]),
 ])
+@pytest.mark.quick
 def test_user_errors_end_in_one_line(tmp_path, args, fragments):
     _, proc = train_run(tmp_path, "err", *args, check=False)
     assert proc.returncode == 2
@@ -123,6 +125,7 @@ def test_config_mistakes_hydra_would_catch_are_one_line_and_exit_2(tmp_path, arg
     assert not (tmp_path / "err").exists()  # refused before anything was written
 
 
+@pytest.mark.quick
 def test_help_lists_the_config_groups_and_version_is_accutrains(tmp_path):
     out = run_cli("--help", cwd=tmp_path).stdout
     for group in ("model:", "data:", "optim:", "sched:", "debug:"):
@@ -132,6 +135,16 @@ def test_help_lists_the_config_groups_and_version_is_accutrains(tmp_path):
     assert not (tmp_path / "outputs").exists()  # asking for help writes nothing
     assert run_cli("--version", cwd=tmp_path).stdout.strip() == f"accutrain {accutrain.__version__}"
 
+
+
+def test_accutrain_check_help_is_its_own_short_and_flags_first(tmp_path):
+    proc = run_cli("--help", cwd=tmp_path, script="accutrain-check")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("usage: accutrain-check [--show-sample[=N]] [key=value ...]")
+    assert lines[2].lstrip().startswith("--show-sample[=N]") and any("-h, --help" in line for line in lines[:6])
+    assert len(lines) <= 25 and "exit code 0: faithful; 1: not" in proc.stdout.lower()
+    assert "sweep" not in proc.stdout and "config groups (" not in proc.stdout  # not accutrain's help renamed
+    assert run_cli("-h", cwd=tmp_path, script="accutrain-check").stdout == proc.stdout
 
 VALUE_MISTAKES = [
     (["micro_batch=8", "global_batch=100"], "global_batch=100 is not a multiple of micro_batch 8 × devices 1"),

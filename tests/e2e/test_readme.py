@@ -236,7 +236,36 @@ def quick_start_commands() -> list[str]:
 
 
 def test_ci_runs_the_readme_install_and_test_commands():
-    install, run, test = quick_start_commands()
-    assert (install, run, test) == ('pip install -e ".[dev]"', "accutrain", "pytest")
+    install, run, test, quick = quick_start_commands()
+    assert (install, run, test, quick) == ('pip install -e ".[dev]"', "accutrain", "pytest", "pytest -m quick")
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert install in ci and test in ci
+    assert install in ci and test in ci and quick not in ci  # CI runs the full default tier
+
+
+# What the quick tier must hold (README's quick start): a test of each, by its node id.
+QUICK = {
+    "cross-entropy": "tests/train/test_exact.py::test_accumulated_runs_equal_the_big_batch_run",
+    "cross-entropy per token": "tests/train/test_faithful.py::test_element_normalised_accumulation_equals_the_big_batch",
+    "a per-term loss": "tests/train/test_exact_losses.py::test_each_loss_accumulated_equals_the_big_batch[mse]",
+    "the contrastive window": "tests/train/test_contrastive.py::test_window_loss_accumulated_equals_the_big_batch[extra0]",
+    "a mixture of experts": "tests/models/test_moe.py::test_the_window_takes_the_big_batchs_steps[accum]",
+    "the triplet window": "tests/core/test_triplet.py::test_micro_batches_give_the_window_gradient_and_per_micro_batch_negatives_do_not",
+    "a family of the user's": "tests/train/test_plugin_family.py::test_a_class_implementing_the_protocol_is_a_family_with_its_traits",
+    "two devices": "tests/parallel/test_ddp.py::test_two_ranks_equal_one_device_and_the_big_batch",
+    "the formula": "tests/core/test_step.py::test_accumulated_gradient_equals_big_batch_on_a_short_tail",
+    "the windows": "tests/core/test_windows.py::test_same_windows_whatever_the_split",
+    "the command line": "tests/e2e/test_cli.py::test_a_run_writes_its_outputs_into_the_run_directory",
+    "accutrain-check": "tests/train/test_faithful.py::test_check_verdicts_and_exit_codes[args0-True]",
+    "resume": "tests/train/test_resume.py::test_killed_and_resumed_run_ends_bit_identical[SIGKILL]",
+}
+
+
+def test_the_quick_tier_covers_the_guarantee():
+    """`pytest -m quick` selects a test of each part of the guarantee (the `quick` mark on existing tests)."""
+    files = sorted({node.split("::")[0] for node in QUICK.values()})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "quick", "-n", "0",
+                           "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True,
+                          timeout=COMMAND_S)
+    selected = {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+    missing = {what: node for what, node in QUICK.items() if node not in selected}
+    assert not missing, f"{missing}\n{proc.stdout[-2000:]}"

@@ -3,6 +3,8 @@ only the adapter trained and checkpointed, the same adapter weights under any sp
 resumed bit-identically (the frozen base rebuilt from the factory and the seed), the exported adapter loading with
 PEFT onto the base model, the merged export, and the bad values in one line."""
 
+import json
+
 import hydra
 import pytest
 import test_hf
@@ -85,6 +87,25 @@ def test_the_exported_adapter_loads_with_peft_onto_the_base_and_gives_the_checkp
     assert torch.equal(logits(loaded, IDS), logits(trained.model, IDS))
     assert not torch.equal(logits(loaded, IDS), logits(rebuilt(run_dir, adapter=None).model, IDS))
 
+
+
+def test_an_adapter_on_a_base_built_from_a_config_is_exported_with_that_base_and_loads_from_the_export(big_lora):
+    """PEFT names no base for a model initialised at random (base_model_name_or_path null): the base goes beside
+    the adapter, named by it, and the log says how to load the two — no accutrain, no seed needed."""
+    run_dir, log = big_lora
+    hf = (run_dir / "hf").resolve()
+    assert json.loads((hf / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf / "base")
+    record = json.loads((hf / "accutrain_base.json").read_text())
+    assert record["factory"] == "accutrain.models.hf.causal_lm" and record["arguments"]["config"]["n_layer"] == 2
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf / "base")
+    loaded = peft.PeftModel.from_pretrained(base, hf).train(False)
+    trained = rebuilt(run_dir)
+    trained.load_state_dict(final_weights(run_dir))
+    assert torch.equal(logits(loaded, IDS), logits(trained.model, IDS))
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(hf).train(False)  # the adapter alone names its base
+    assert torch.equal(logits(auto, IDS), logits(trained.model, IDS))
+    assert (f"PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained('{hf / 'base'}'), "
+            f"'{hf}')") in log
 
 def test_merged_export_is_a_plain_model_with_the_adapters_logits(files, tmp_path):
     run_dir, log = train_here(tmp_path, "merged", *lora(files, "micro_batch=16", "trainer.max_steps=2",

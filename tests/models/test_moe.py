@@ -64,7 +64,7 @@ def assert_close_weights(a: dict, b: dict) -> None:
 
 # --- exactness ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["accum", "two_ranks", "checkpointing"])
+@pytest.mark.parametrize("how", [pytest.param("accum", marks=pytest.mark.quick), "two_ranks", "checkpointing"])
 def test_the_window_takes_the_big_batchs_steps(files, big, tmp_path, how):
     args = {"accum": ["micro_batch=4", "accum=4"], "two_ranks": ["devices=2", "micro_batch=4", "accum=2"],
             "checkpointing": ["micro_batch=4", "accum=4", "trainer.activation_checkpointing=true"]}[how]

@@ -22,6 +22,7 @@ UNEVEN = [*TINY, "data.size=117", "trainer.epochs=3", "trainer.grad_clip=0.5", "
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.quick  # the quick tier's several devices
 def test_two_ranks_equal_one_device_and_the_big_batch(tmp_path):
     two, _ = train_here(tmp_path, "two", *UNEVEN, "devices=2", "micro_batch=8", "accum=2")
     one, _ = train_here(tmp_path, "one", *UNEVEN, "micro_batch=8", "accum=4")

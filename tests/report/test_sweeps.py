@@ -75,6 +75,15 @@ def test_multirun_summarises_every_job_and_goes_on_past_a_failing_one(sweep):
     assert len(errors) == 1 and "micro_batch=0" in errors[0]
 
 
+
+def test_the_sweeps_stdout_is_its_table_and_hydras_launch_lines_are_on_stderr(sweep):
+    """docs/outputs.md's recipe, `accutrain -m … > table.md`, gives a file that starts with the table."""
+    sweep_dir, proc = sweep
+    assert "[HYDRA] Launching 3 jobs locally" in proc.stderr and "[HYDRA] \t#0 : " in proc.stderr
+    assert "[HYDRA]" not in proc.stdout
+    assert proc.stdout.startswith(f"{sweep_dir}: 3 runs, 2 completed, 1 failed\n"), proc.stdout[:300]
+    assert "\n| job | overrides " in proc.stdout
+
 def test_report_rebuilds_the_same_summary_of_a_finished_sweep(sweep, tmp_path):
     sweep_dir, _ = sweep
     copy = shutil.copytree(sweep_dir, tmp_path / "sweep")

@@ -12,7 +12,7 @@ import torch
 
 from accutrain.cli.command import check
 from accutrain.errors import UserError
-from accutrain.store import checkpoint, mark, owned, rundir
+from accutrain.store import mark, owned, rundir
 from accutrain.store.rotation import Rotation
 from conftest import TINY, assert_one_line_error, assert_one_line_user_error, run_cli, train_here, train_run
 

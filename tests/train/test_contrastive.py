@@ -22,7 +22,8 @@ def distance(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("extra", [[], ["loss.learn_temperature=true", "loss.symmetric=false"]])
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.quick),  # the quick tier's window loss
+                                   ["loss.learn_temperature=true", "loss.symmetric=false"]])
 def test_window_loss_accumulated_equals_the_big_batch(tmp_path, extra):
     big, _ = train_here(tmp_path, "big", *PAIRS, *extra, "micro_batch=64", "accum=1")
     acc, _ = train_here(tmp_path, "acc", *PAIRS, *extra, "micro_batch=8", "accum=8")

@@ -3,6 +3,8 @@ BERT built from a config: no download): micro_batch=4 accum=4, and two gloo rank
 micro_batch=16 (AdamW, clipping, float32, no dropout) while loss.window=false does not; micro_tokens cuts the same
 windows by tokens; the export loads in sentence-transformers and gives accutrain's embeddings."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,6 +80,11 @@ def test_the_export_loads_in_sentence_transformers_with_accutrains_embeddings(tm
     st = pytest.importorskip("sentence_transformers")
     run_dir, _ = train_here(tmp_path, "run", *BERT, *data, "micro_batch=12", "trainer.epochs=1",
                             "trainer.export=hf", "model.pooling=cls")
+    loading = subprocess.run([sys.executable, "-c", "import sys; from sentence_transformers import "
+                              "SentenceTransformer; from transformers import AutoModel; SentenceTransformer(sys.argv[1], "
+                              "device='cpu'); AutoModel.from_pretrained(sys.argv[1])", str(run_dir / "hf")],
+                             capture_output=True, text=True, check=True)  # as a user's own process loads it
+    assert "MISSING" not in loading.stderr and "pooler" not in loading.stderr, loading.stderr  # every weight is there
     exported = st.SentenceTransformer(str(run_dir / "hf"), device="cpu")
     texts = ["what is a cat, 3?", "a dog is a thing and more, 7", "a moon is a thing, 11"]
     theirs = exported.encode(texts, convert_to_tensor=True)

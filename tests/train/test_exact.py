@@ -7,6 +7,7 @@ from conftest import EXACT, assert_same_weights, final_weights, read_metrics, tr
 
 # 110 samples = 3 windows of 32 + a window of 14: with micro_batch 8 the last micro-batch holds 6 samples.
 # grad_clip makes per-micro-batch clipping (a classic bug) show up as different weights.
+@pytest.mark.quick  # the quick tier's exactness test of cross-entropy
 def test_accumulated_runs_equal_the_big_batch_run(tmp_path):
     big, _ = train_here(tmp_path, "big", *EXACT, "micro_batch=32", "accum=1")
     acc, _ = train_here(tmp_path, "acc", *EXACT, "micro_batch=8", "accum=4")

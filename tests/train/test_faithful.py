@@ -26,7 +26,7 @@ def check(compose, *args):
 
 
 @pytest.mark.parametrize("args, faithful", [
-    (["model=mlp"], True),
+    pytest.param(["model=mlp"], True, marks=pytest.mark.quick),  # the quick tier's accutrain-check
     ([], False),  # stock resnet18: BatchNorm
 ])
 def test_check_verdicts_and_exit_codes(tmp_path, args, faithful):
@@ -95,6 +95,7 @@ def test_check_on_token_losses_names_a_non_mean_reduction(compose, normalize, fa
 
 
 @pytest.mark.slow
+@pytest.mark.quick  # the quick tier's cross-entropy over tokens (element-normalised)
 def test_element_normalised_accumulation_equals_the_big_batch(tmp_path):
     """Variable-length padded sequences: the window's mean is over its real tokens, however it is cut."""
     args = [*SEQ, "loss.normalize=elements", "trainer.grad_clip=1.0"]

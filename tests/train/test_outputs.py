@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accutrain.config.train import compose
 from accutrain.data.datasets import digits, sequences, synthetic
 from accutrain.dist import World
 from accutrain.errors import UserError

@@ -29,6 +29,7 @@ def distance(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.quick  # the quick tier's family of the user's
 def test_a_class_implementing_the_protocol_is_a_family_with_its_traits():
     run = typed_run(compose(*PAIRS))
     traits = families.traits_of(run.loss)

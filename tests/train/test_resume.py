@@ -20,7 +20,8 @@ from conftest import (COMMAND_S, NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, WAI
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGKILL", pytest.param("SIGTERM", marks=pytest.mark.long)])
+@pytest.mark.parametrize("how", [pytest.param("SIGKILL", marks=pytest.mark.quick),
+                                 pytest.param("SIGTERM", marks=pytest.mark.long)])
 def test_killed_and_resumed_run_ends_bit_identical(slow, how):
     reference, _ = train_here(slow, "reference", *RUN)
     kill_after = random.Random().randint(2, 10)  # step k is logged after checkpoint k-1 is on disk

@@ -8,7 +8,7 @@ import pytest
 from accutrain.cli.main import take_show_sample
 from accutrain.errors import UserError
 from accutrain.train.show_sample import show_sample
-from conftest import run_of, assert_one_line_user_error
+from conftest import assert_one_line_user_error, captured_log, run_of
 
 
 def test_chat_and_prompt_masking_and_packed_documents_are_shown(tmp_path, compose):
@@ -46,3 +46,20 @@ def test_the_option_is_taken_out_of_the_command_line():
     with pytest.raises(SystemExit) as exit_info:
         take_show_sample(["x", "--show-sample=a"])
     assert exit_info.value.code == 2
+
+
+def test_a_truncated_record_is_marked_where_it_was_cut_and_the_load_names_its_line(tmp_path):
+    pytest.importorskip("datasets")
+    long = {2, 5, 6, 7, 9, 10, 11}  # the records longer than data.max_length=64: lines 3, 6, 7, 8, 10, …
+    chats = [{"messages": [{"role": "user", "content": f"{i} plus 1?"}, {"role": "assistant", "content": (
+        f"{i + 1}, and a long explanation of why that is so. " * 4 if i in long else f"{i + 1}.")}]} for i in range(12)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    run = run_of("data=hf", f"data.train={tmp_path / 'chat.jsonl'}", f"data.val={tmp_path / 'chat.jsonl'}",
+                 f"data.cache_dir={tmp_path / 'cache'}", "data.max_length=64")
+    with captured_log() as log:
+        cut, whole = show_sample(run, 2), show_sample(run, 0)
+    assert "truncated: the record is longer than data.max_length=64, cut at ✂" in cut
+    assert cut.endswith("a long explanation of wh⟧✂[cut at data.max_length=64]")
+    assert "✂" not in whole and "truncated" not in whole.split("\n", 1)[1]  # (the first line names tmp_path)
+    assert (f"data.train={tmp_path / 'chat.jsonl'}: 12 records read, 7 truncated at data.max_length=64 "
+            "(lines 3, 6, 7, 8, 10, and 2 more)") in log.getvalue()

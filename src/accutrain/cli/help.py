@@ -1,4 +1,5 @@
-"""`accutrain --help`: the usage, examples, every config group's options and the composed config."""
+"""`accutrain --help` (the usage, examples, every config group's options and the composed config) and
+`accutrain-check --help` (its own flags and usage, short)."""
 from __future__ import annotations
 
 import os
@@ -58,3 +59,30 @@ def print_help(hydra: Any, args: Namespace, prog: str) -> None:
     except BrokenPipeError:  # `accutrain --help | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
+
+
+CHECK_HELP = """usage: {prog} [--show-sample[=N]] [key=value ...]
+
+  --show-sample[=N]   print training sample N (0 without a value) with the tokens the loss counts marked, and
+                      a truncated record's cut; no model is built, no check is run
+  -h, --help          this help; --version: accutrain's version
+
+{prog} {version}: is the run's gradient accumulation exact? It builds the run `accutrain key=value ...` would
+train, computes its first window's gradient accumulated (micro_batch × accum × devices) and as one batch, and
+prints the difference per parameter group with a verdict and the causes it finds (BatchNorm, dropout, a loss that
+is not the window's mean). It writes nothing. Exit code 0: faithful; 1: not; 2: a mistake in the command.
+
+examples:
+  {prog} micro_batch=8 accum=4 batchnorm.convert=group    resnet18 with GroupNorm: faithful, exit code 0
+  {prog} data=hf data.train=examples/chat.jsonl --show-sample=2
+
+It takes every key accutrain takes: accutrain --help lists the config groups and the config."""
+
+
+def print_check_help(prog: str) -> None:
+    """accutrain-check's own help, its flags first."""
+    try:
+        print(CHECK_HELP.format(prog=prog, version=__version__))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

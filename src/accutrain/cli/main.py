@@ -119,6 +119,11 @@ def check_main() -> None:
     with Startup("accutrain-check") as startup:
         import_from_working_directory()
         argv = sys.argv[1:]
+        if "--help" in argv or "-h" in argv:  # its own flags, not accutrain's training help
+            from accutrain.cli.help import print_check_help
+
+            print_check_help("accutrain-check")
+            sys.exit(0)
         show = take_show_sample(argv)
         decided = before_hydra("accutrain-check", argv, run=False)
         decided.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",

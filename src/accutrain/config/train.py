@@ -22,8 +22,7 @@ from accutrain.config import families
 from accutrain.config.renames import renamed
 from accutrain.config.schemas import (MISSING, AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
                                       CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
-                                      MLPModel,
-                                      ScalingConfig, SGDOptim, TorchvisionModel)
+                                      MLPModel, ScalingConfig, SGDOptim, TorchvisionModel)
 from accutrain.core.options import LastWindow
 
 if TYPE_CHECKING:
@@ -141,7 +140,7 @@ class TrainerConfig:
     ema: Optional[float] = None  # decay of an exponential moving average of the weights (e.g. 0.999); null: none
     ema_warmup: bool = False  # decay min(ema, (1 + n) / (10 + n)) after n updates: the average forgets its start
     ema_device: Optional[str] = None  # where the average lives: null beside the weights, or cpu
-    noise_scale: bool = False  # the gradient noise scale B_simple per optimizer step (accutrain.core.noise_scale)
+    noise_scale: bool = False  # the gradient noise scale B_simple per optimizer step (accutrain.train.noise_scale)
     noise_scale_decay: float = 0.95  # the moving averages of its |G|² and tr Σ estimates, per optimizer step
     monitor: str = "auto"  # the evaluation metric best.pt and early stopping follow; auto: the loss's (core/monitor)
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracies, min for losses
@@ -161,6 +160,7 @@ class TrainerConfig:
     # adapted model with its adapter merged into the weights
     overwrite: bool = False  # start afresh in a run directory an earlier run used, deleting what it wrote
     tune_malloc: bool = True  # CPU on glibc: keep freed activations in the heap (no page faults per micro-batch)
+    threads: Any = None  # PyTorch's threads: null (its default, or OMP_NUM_THREADS) | N | auto (what the load leaves)
     compile: bool = False  # torch.compile the model once (in place, before DDP); the short tail recompiles at most once
     compile_mode: Optional[str] = None  # torch.compile's mode: default | reduce-overhead | max-autotune | …
     compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: no code generation, for debugging)

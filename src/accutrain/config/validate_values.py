@@ -49,6 +49,10 @@ def check_values(cfg: DictConfig) -> None:
         check_buffer_size(cfg.data.buffer_size)
     if cfg.trainer.device == "cpu":
         auto_needs_budget(cfg, "cpu")
+    threads = cfg.trainer.threads
+    if threads is not None and threads != "auto" and not (number(threads) and threads == int(threads) >= 1):
+        raise UserError(f"trainer.threads={threads} is not valid: expected null (PyTorch's default, or "
+                        "OMP_NUM_THREADS), a number of threads (1, 2, …) or auto (the cores the load leaves free)")
 
 
 def check_buffer_size(value: Any) -> None:

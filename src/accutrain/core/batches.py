@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from accutrain.core.plan import ceil_div
 from accutrain.errors import UserError
 
 Inputs = Union[torch.Tensor, Mapping[str, torch.Tensor]]
@@ -62,7 +63,7 @@ class Batch:
         n = len(self.target) if self.spans is None else len(self.spans)
         if self.stand_in or n <= 1 or parts == 1:
             return [self]
-        size = -(-n // parts)
+        size = ceil_div(n, parts)
         return [self.samples(i, i + size) for i in range(0, n, size)]
 
     def samples(self, first: int, end: int) -> Batch:

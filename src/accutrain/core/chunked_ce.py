@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree
 
+from accutrain.core.plan import ceil_div
+
 MIN_CHUNK = 64  # tokens: fewer makes the loop's overhead, not the logits, the cost
 # fused(hidden (N, width), weight (V, width), bias, target (N,), ignore_index, label_smoothing, token weights or
 # None) -> Σ_i weight_i × loss_i: a library's fused kernel with the chunked function's contract (models/kernels.py)
@@ -60,7 +62,7 @@ def logits_of(output: torch.Tensor | Projection) -> torch.Tensor:
 def chunk_size(tokens: int, width: int, classes: int) -> int:
     """Tokens per chunk: a chunk's logits about as large as the hidden states (N × width, as Liger Kernel sizes its
     chunks), a power of two, at least MIN_CHUNK."""
-    wanted = max(1, -(-tokens * width // classes))
+    wanted = max(1, ceil_div(tokens * width, classes))
     return max(MIN_CHUNK, 2 ** math.ceil(math.log2(wanted)))
 
 

@@ -159,6 +159,11 @@ class BatchPlan:
         ]
 
 
+def ceil_div(a: int, b: int) -> int:
+    """⌈a / b⌉ in integers (no float rounding for large counts): micro-batches of a window, windows of an epoch."""
+    return -(-a // b)
+
+
 def derive_accum(micro_batch: int, devices: int, accum: Optional[int], global_batch: Optional[int]) -> int:
     """accum as given, or global_batch / (micro_batch × devices); one clear line when they cannot agree."""
     if global_batch is None:

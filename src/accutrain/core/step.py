@@ -19,6 +19,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional, Proto
 import torch
 from torch import nn
 
+from accutrain.core.plan import ceil_div
 from accutrain.core.batches import Batch, as_batch, stand_in_guard
 from accutrain.core.compiled import eager
 from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
@@ -111,7 +112,7 @@ def accumulate(
 
 def pieces(n: int, parts: int) -> int:
     """How many micro-batches one of `n` samples becomes when cut into `parts` (after an out-of-memory)."""
-    return 1 if n <= 1 or parts == 1 else -(-n // -(-n // parts))
+    return 1 if n <= 1 or parts == 1 else ceil_div(n, ceil_div(n, parts))
 
 
 def cut_micro_batches(micro_batches: Iterable[Batch | Sequence[torch.Tensor]], parts: int) -> Iterable[Batch]:

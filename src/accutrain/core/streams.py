@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Protocol
 import torch
 
 from accutrain import seeding
-from accutrain.core.plan import BatchPlan
+from accutrain.core.plan import BatchPlan, ceil_div
 from accutrain.core.token_budget import TokenLengths
 from accutrain.core.windows import MicroBatch, Window, rank_share
 from accutrain.errors import UserError
@@ -172,7 +172,7 @@ class StreamSampler:
             raise UserError(f"micro_tokens={self.plan.micro_tokens} is less than a sample of {tokens.longest} tokens "
                             "the stream holds: set micro_tokens ≥ data.max_length")
         chunks = tokens.cut(range(len(samples)))
-        steps = -(-len(chunks) // self.world)
+        steps = ceil_div(len(chunks), self.world)
         return [[pairs[p] for p in chunks[k]] if k < len(chunks) else []
                 for k in range(self.rank, steps * self.world, self.world)]
 

@@ -7,7 +7,6 @@ it, so `micro_batch=8 accum=4` and `micro_batch=32 accum=1` take their steps on 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
@@ -16,7 +15,7 @@ from torch.utils.data import Sampler
 
 from accutrain import seeding
 from accutrain.core.mixing import Mix, Mixer
-from accutrain.core.plan import BatchPlan
+from accutrain.core.plan import BatchPlan, ceil_div
 from accutrain.core.token_budget import TokenLengths
 
 
@@ -61,7 +60,7 @@ def rank_share(samples: list[int], micro_batch: int, rank: int, world: int) -> l
     micro-step of some ranks short or empty, never padded or duplicated.
     """
     chunks = [samples[i : i + micro_batch] for i in range(0, len(samples), micro_batch)]
-    steps = -(-len(chunks) // world)
+    steps = ceil_div(len(chunks), world)
     return [chunks[k] if k < len(chunks) else [] for k in range(rank, steps * world, world)]
 
 
@@ -111,7 +110,7 @@ class WindowSampler(Sampler[MicroBatch]):
         if not self.budget:
             return rank_share(items, self.plan.micro_batch, self.rank, self.world)
         chunks = self.tokens.cut(samples)
-        steps = -(-len(chunks) // self.world)
+        steps = ceil_div(len(chunks), self.world)
         return [[items[p] for p in chunks[k]] if k < len(chunks) else []
                 for k in range(self.rank, steps * self.world, self.world)]
 
@@ -171,9 +170,9 @@ class WindowSampler(Sampler[MicroBatch]):
         """This rank's micro-batches from the start window to the end of the epoch (empty ones included)."""
         if self.budget:
             order, starts = self.order(self.epoch)
-            return sum(-(-len(self.tokens.cut(order[starts[i] : starts[i + 1]].tolist())) // self.world)
+            return sum(ceil_div(len(self.tokens.cut(order[starts[i] : starts[i + 1]].tolist())), self.world)
                        for i in range(self.start, len(starts) - 1))
         sizes = self.plan.window_sizes(self.epoch)[self.start :]
-        return sum(math.ceil(math.ceil(size / self.plan.micro_batch) / self.world) for size in sizes)
+        return sum(ceil_div(ceil_div(size, self.plan.micro_batch), self.world) for size in sizes)
 
 

@@ -46,6 +46,10 @@ class ArrowItems(Dataset):
             return torch.tensor([min(self.max_length, total - b * self.max_length) for b in range(self.blocks)])
         return torch.from_numpy(self.record_lengths.copy())
 
+    def truncated(self, i: int) -> bool:
+        """Whether item `i` is a record cut at max_length (a packed block is never said to be)."""
+        return not self.packing and bool(self.table.data.column("truncated")[int(self.rows[i])].as_py())
+
     def record(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         row = self.table[int(self.rows[position])]
         return row["input_ids"], (row["class"] if self.classes else row["labels"])

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from accutrain.config.schemas import Crop
 from accutrain.core.samples import NamedCollate, NamedSubset
-from accutrain.data.splits import Datasets, InMemory, loader_workers, test_generator, test_indices  # noqa: F401 (re-exported)
+from accutrain.data.splits import (Datasets, InMemory, describe_split_sizes, loader_workers,  # noqa: F401 (re-exported)
+                                   test_generator, test_indices)
 from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.errors import UserError
 from accutrain.seeding import generator
@@ -172,6 +173,7 @@ def torchvision_dataset(name: str, root: str, download: bool, test: bool = False
     try:  # raw PIL images: the views (accutrain.data.views) are made from them
         train = cls(str(root_path), train=True, download=download)
         val = cls(str(root_path), train=False, download=download)
+        names = [str(name) for name in getattr(train, "classes", ())]
     except RuntimeError as e:
         if "not found" not in str(e).lower():
             raise
@@ -189,7 +191,8 @@ def torchvision_dataset(name: str, root: str, download: bool, test: bool = False
                          test=held)
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), spec["classes"], spec["shape"], f"{name} ({root_path})",
-                    images=source, decoded=True, test=Views(held, view) if held is not None else None)
+                    images=source, decoded=True, test=Views(held, view) if held is not None else None,
+                    class_names=tuple(names))
 
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -253,7 +256,7 @@ def image_folder(root: str, image_size: int, channels: int, test: Optional[str] 
                          convert=(v2.Grayscale(1) if channels == 1 else v2.Lambda(_to_rgb),), test=splits.get("test"))
     view = fixed_view(source)
     return Datasets(Views(train, view), Views(val, view), len(train.classes), (channels, image_size, image_size),
-                    f"imagefolder ({root_path}, {len(train.classes)} classes)", images=source, decoded=True,
+                    f"imagefolder ({root_path})", images=source, decoded=True, class_names=tuple(train.classes),
                     test=Views(splits["test"], view) if "test" in splits else None)
 
 
@@ -269,12 +272,3 @@ def eval_loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory:
     return DataLoader(named, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                       collate_fn=NamedCollate(collate or default_collate, "held-out"), pin_memory=pin_memory,
                       persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
-
-
-def describe_split_sizes(ds: Datasets) -> str:
-    """The log's line: the data, its splits' sizes, its samples' shape and (unless it has none) its classes."""
-    train = "streamed" if ds.stream is not None else len(ds.train)
-    return (f"data {ds.description}: {train} train / {len(ds.val)} val"
-            + (f" / {len(ds.test)} test" if ds.test is not None else "") + ", "
-            f"{'×'.join(map(str, ds.sample_shape))}" + (f", {ds.num_classes} {ds.classes}" if ds.classes else ""))
-

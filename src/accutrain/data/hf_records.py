@@ -16,7 +16,7 @@ from accutrain.data.arrow_items import ArrowItems
 from accutrain.data.chat import encode_chat
 from accutrain.data.json_records import decoded, fields, is_json_table
 from accutrain.data.packing import describe
-from accutrain.data.records import Tally, Where, trained
+from accutrain.data.records import LISTED, Tally, Where, trained
 from accutrain.data.template import Template, chat_template
 from accutrain.data.text import encode
 from accutrain.data.tokenizer import fast_byte_tokenizer, load_tokenizer
@@ -142,7 +142,9 @@ def tokenized_split(datasets: Any, key: str, name: str, part: Any, kind: str, ar
                         f"{', '.join(part.column_names)}")
     where = Where(name)
     table = tokenized(datasets, part, where=where, **arguments)
-    return table, Tally(key, name, read=len(part), truncated=int(np.sum(column(table, "truncated")))), where
+    cut = column(table, "truncated").astype(bool)
+    return table, Tally(key, name, read=len(part), truncated=int(np.sum(cut)),
+                        truncated_rows=column(table, "row")[cut][:LISTED].tolist()), where
 
 
 def kept_items(table: Any, rows: np.ndarray, tally: Tally, r: Reading, kind: str, split: str) -> ArrowItems:

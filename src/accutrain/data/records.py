@@ -112,6 +112,7 @@ class Tally:
     read: int = 0
     held_out: int = 0  # of `read`, drawn into the held-out split (data.val_fraction)
     truncated: int = 0  # longer than data.max_length, cut to it
+    truncated_rows: list[int] = field(default_factory=list)  # the first LISTED of them, named in the load's line
     untrained: list[int] = field(default_factory=list)  # rows left with no trained token (dropped)
 
     def settle(self, where: Where, truncation: str, max_length: int, lm: bool) -> str:
@@ -128,11 +129,28 @@ class Tally:
             for row, name in where.lines(self.untrained).items():
                 detail.info(f"{self.key}: dropped {name}: no trained token left (data.max_length={max_length})")
         parts = [f"{self.read:,} records read"] + ([f"{self.held_out:,} held out"] if self.held_out else []) + [
-            f"{self.truncated:,} truncated at data.max_length={max_length}"]
+            f"{self.truncated:,} truncated at data.max_length={max_length}{self.cut(where)}"]
         if lm:
             parts.append(f"{len(self.untrained):,} left with no trained token"
                          + (" and dropped (listed in train.log)" if self.untrained else ""))
         return f"{self.key}={self.source}: {', '.join(parts)}"
+
+    def cut(self, where: Where) -> str:
+        """The truncated records named for the load's line: ` (chat.jsonl:3, chat.jsonl:9)`, the first LISTED
+        then a count; '' when none is known by its row."""
+        rows = sorted(self.truncated_rows)[:LISTED]
+        if not rows:
+            return ""
+        more, names = self.truncated - len(rows), list(where.lines(rows).values())
+        if all(name.startswith(f"{self.source}:") for name in names):  # the line's own file: its line numbers
+            names = ["lines " + ", ".join(name[len(self.source) + 1:] for name in names)]
+        return f" ({', '.join(names)}{f', and {more:,} more' if more > 0 else ''})"
+
+    def count_truncated(self, row: int) -> None:
+        """One more truncated record, row `row` (the first LISTED rows are kept, to be named)."""
+        self.truncated += 1
+        if len(self.truncated_rows) < LISTED:
+            self.truncated_rows.append(row)
 
 
 def log_tallies(tallies: Sequence[Tally], where: Sequence[Where], truncation: str, max_length: int, lm: bool
@@ -150,7 +168,8 @@ def kept(samples: list[tuple[list[int], list[int]]], rows: Sequence[int], max_le
     out = []
     for (ids, labels), row in zip(samples, rows):
         if max_length is not None and len(ids) > max_length:
-            ids, labels, tally.truncated = ids[:max_length], labels[:max_length], tally.truncated + 1
+            ids, labels = ids[:max_length], labels[:max_length]
+            tally.count_truncated(row)
         if lm and not trained(labels, ignore_index):
             tally.untrained.append(row)
             continue

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 from accutrain.data.views import ImageSource
 from accutrain.errors import UserError
+from accutrain.store.classes import describe as named
 from accutrain.seeding import keyed_seed
 
 
@@ -30,6 +31,7 @@ class Datasets:
     collate: Optional[Callable[[list], Any]] = None  # items → one micro-batch; None: torch's default_collate
     tokenizer: Any = None  # saved beside an exported model (trainer.export=hf)
     classes: str = "classes"  # what num_classes counts, for the log ("tokens in the vocabulary")
+    class_names: tuple[str, ...] = ()  # entry i names output i (a folder's name, a label's); () when unnamed
     images: Optional[ImageSource] = None  # image data: what augment= makes its views from (accutrain.data.views)
     decoded: bool = False  # each item is read or decoded when asked (files, PIL images): loader workers help
     test: Optional[Dataset] = None  # the test split (data.test), evaluated once at the end with the best and last weights
@@ -105,3 +107,13 @@ class Tokenized(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.items[i]
+
+
+def describe_split_sizes(ds: Datasets) -> str:
+    """The log's line: the data, its splits' sizes, its samples' shape and (unless it has none) its classes."""
+    train = "streamed" if ds.stream is not None else len(ds.train)
+    return (f"data {ds.description}: {train} train / {len(ds.val)} val"
+            + (f" / {len(ds.test)} test" if ds.test is not None else "") + ", "
+            f"{'×'.join(map(str, ds.sample_shape))}" + (f", {ds.num_classes} {ds.classes}{named(ds.class_names)}"
+                                                        if ds.classes else ""))
+

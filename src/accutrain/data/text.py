@@ -200,7 +200,8 @@ def text_data(train: str, val: Optional[str], val_fraction: float, tokenizer: st
         classes = None
         if not lm:
             classes, names = class_index(part, label_field, names, where)
-            tally.truncated += sum(len(ids) > max_length for ids, _ in samples)
+            for row in (row for (ids, _), row in zip(samples, rows) if len(ids) > max_length):
+                tally.count_truncated(row)
         else:
             samples = kept_samples(samples, rows, None if packing == "concat" else max_length, ignore_index, lm, tally)
             if not samples:
@@ -254,4 +255,5 @@ def tokenized_datasets(splits: list[Tokenized], tok: Any, class_names: Optional[
                     test=splits[2] if len(splits) > 2 else None,
                     extra=dict(vocab_size=len(tok), pad_token_id=pad, eos_token_id=tok.eos_token_id,
                                **({} if lm else dict(class_names=class_names))),
-                    collate=collate, tokenizer=tok, classes="tokens in the vocabulary" if lm else "classes")
+                    collate=collate, tokenizer=tok, classes="tokens in the vocabulary" if lm else "classes",
+                    class_names=() if lm else tuple(class_names))

@@ -33,6 +33,7 @@ class HFEncoder(HFAdapter):
         self.pooling, self.normalize, self.max_length = pooling, normalize, max_length
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.positions = "position_ids" in inspect.signature(base.forward).parameters
+        self.set_aside: dict[str, nn.Module] = {}  # the base's unused pooler (encoder()): exported, never trained
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 **inputs: torch.Tensor) -> torch.Tensor:
@@ -53,8 +54,17 @@ class HFEncoder(HFAdapter):
     def save_pretrained(self, directory: Path, merged: bool = False) -> None:
         """save_pretrained of the model (an adapter: PEFT's files, or `merged` into the weights), and the module
         files sentence-transformers reads: modules.json, 1_Pooling/config.json, 2_Normalize/ (when normalised),
-        sentence_bert_config.json, config_sentence_transformers.json."""
-        super().save_pretrained(directory, merged=merged)
+        sentence_bert_config.json, config_sentence_transformers.json. The pooler set aside goes back into the
+        model's files, so that its loaders (AutoModel, sentence-transformers) find every weight they expect."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        device = next(base.parameters()).device
+        for name, module in self.set_aside.items():
+            setattr(base, name, module.to(device))
+        try:
+            super().save_pretrained(directory, merged=merged)
+        finally:
+            for name in self.set_aside:
+                setattr(base, name, None)
         directory = Path(directory)
         modules = [dict(idx=0, name="0", path="", type="sentence_transformers.models.Transformer"),
                    dict(idx=1, name="1", path="1_Pooling", type="sentence_transformers.models.Pooling")]
@@ -113,9 +123,12 @@ def encoder(name_or_path: Optional[str] = None, pretrained: bool = True, config:
         raise UserError(f"model.pooling=cls on {name_or_path or (config or {}).get('model_type', 'this model')}: "
                         "it attends causally (a decoder), so its first token's state never sees the rest of the text "
                         "and every text that begins alike embeds identically: use model.pooling=last (or mean)")
-    if getattr(model, "pooler", None) is not None:  # BERT's own pooler: unused here (the embedding is `pooling`'s),
-        model.pooler = None  # and a layer without gradient would stall DDP's reduction on several devices
-    return HFEncoder(adapt(model, "AutoModel", adapter, lora, quantize), pooling, normalize, max_length)
+    pooler = getattr(model, "pooler", None)
+    if pooler is not None:  # BERT's own pooler: unused here (the embedding is `pooling`'s), and a layer without
+        model.pooler = None  # gradient would stall DDP's reduction on several devices; set aside for the export
+    wrapped = HFEncoder(adapt(model, "AutoModel", adapter, lora, quantize), pooling, normalize, max_length)
+    wrapped.set_aside = {"pooler": pooler} if pooler is not None else {}
+    return wrapped
 
 
 def attends_causally(model: nn.Module) -> bool:

@@ -22,7 +22,8 @@ def summarise(sweep_dir: Path) -> Optional[tuple[int, int]]:
     except Exception as e:
         print(f"accutrain: could not summarise {sweep_dir}: {type(e).__name__}: {e}", file=sys.stderr)
         return None
-    print(f"\n{report.text}\n\nwritten: {', '.join(str(p) for p in report.files)}", flush=True)
+    print(file=sys.stderr, flush=True)  # a blank line after the consoles' (stderr): `> table.md` starts with the table
+    print(f"{report.text}\n\nwritten: {', '.join(str(p) for p in report.files)}", flush=True)
     return sum(r.status == "failed" for r in rows), len(rows)
 
 

@@ -28,6 +28,7 @@ from accutrain.seeding import deterministic_algorithms
 from accutrain.signals import SIGNALS, StopRequest, ctrl_c_deferred, die_with_parent, signal_numbers
 from accutrain.store.rotation import Rotation
 from accutrain.train.loop import Outcome
+from accutrain.train.threads import available_cpus
 
 log = logging.getLogger("accutrain")
 
@@ -246,7 +247,7 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
         sys.warnoptions.append(quiet_tracker)
     ctx = multiprocessing.get_context(method)
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
-    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    threads = max(1, available_cpus() // nprocs)  # the cores this process may use (its affinity), shared
     job = _Job(nprocs, _free_port(), errors, results, log_config, threads, target, args, deterministic, tf32,
                dict(os.environ))
     context = None

@@ -18,13 +18,14 @@ from accutrain.errors import NonFinite, UserError
 from accutrain.parallel.state_dicts import write_sharded
 from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
-from accutrain.runtime.malloc import tune_malloc
+from accutrain.runtime.cpu import prepare as prepare_cpu
+from accutrain.runtime.export import export
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import owned
+from accutrain.store.classes import record
 from accutrain.store.rotation import Rotation
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
-from accutrain.store.weights import WEIGHTS_FILE, save_weights
 from accutrain.trackers import Trackers
 from accutrain.train import check
 from accutrain.train.build import build
@@ -42,10 +43,9 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     """One rank's training on `device` (this rank's GPU is picked from it); config.yaml, metrics.jsonl and
     checkpoints/ go into run_dir."""
     device = dist.worker_device(device, world)
-    if device.type == "cpu" and cfg.trainer.tune_malloc:
-        tuned = tune_malloc()  # in every rank's process, before the data and the model are made
+    for line in prepare_cpu(cfg.trainer, device, world.size):  # every rank's process, before the data and model
         if world.main:
-            log.info(tuned)
+            log.info(line)
     dist.init_process_group(world, device, cfg.trainer.dist_timeout_s)
     run_dir = agree_on_run_dir(run_dir, world)
     if world.main:
@@ -66,7 +66,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
                  f"({parts.plan.total_steps} steps): nothing left to train")
         return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
     if world.main:  # the run takes its directory over (store.status.taken_over), then writes into it
-        add_to_status(run_dir, plan=parts.plan.record())
+        add_to_status(run_dir, plan=parts.plan.record(), classes=record(parts.class_names))
         start_branch(run_dir, progress.step, resumed=resume_from is not None)
         write_atomic(run_dir / "config.yaml", to_yaml(cfg, parts.supplied))
         warn_if_disk_is_short(parts, save.rotation)
@@ -101,22 +101,6 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if world.main:
         save.raise_if_the_last_failed()
     return out
-
-
-def export(parts: Components, run_dir: Path, step: int) -> None:
-    """trainer.export: the trained model's weights alone (weights: run_dir/model.safetensors), or the model saved with
-    save_pretrained (hf, merged) into run_dir/hf."""
-    if parts.trainer.export == "weights":
-        path = run_dir / WEIGHTS_FILE
-        size = save_weights(parts.model.state_dict(), path, dict(step=step, model=parts.run.model.target))
-        log.info(f"exported the weights ({size / 2**20:.3g} MiB) to {path} (safetensors.torch.load_file, then "
-                 "load_state_dict)")
-        return
-    from accutrain.models.hf import export as save_pretrained
-
-    merged = parts.trainer.export == "merged"
-    log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
-             f"{save_pretrained(parts.model, parts.tokenizer, run_dir / 'hf', merged=merged)}")
 
 
 def agree_on_run_dir(run_dir: Path, world: World) -> Path:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accutrain import dist
+from accutrain.core.plan import ceil_div
 from accutrain.config.train import TrainConfig
 from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.batches import Batch, batch_format
@@ -61,7 +62,7 @@ def auto_micro_tokens(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim
         return batch_format(cfg.loader, datasets.collate)([datasets.train[i] for i in worst(multiple)])
 
     fits = trial(model, optimizer, precision, batch_of, device, budget, loss, buffers)
-    most = max(1, -(-tokens.held([int(tokens.lengths[i]) for i in order]) // tokens.longest))  # a whole window
+    most = max(1, ceil_div(tokens.held([int(tokens.lengths[i]) for i in order]), tokens.longest))  # a whole window
     with wait_bar(total=None, desc="micro_tokens=auto: trial steps", unit="trial",
                   enabled=cfg.trainer.progress and world.main) as bar:
         def shown(multiple: int) -> tuple[bool, float]:

@@ -21,7 +21,7 @@ from accutrain.core import compiled, lr_scaling
 from accutrain.core.grad_buffers import grad_buffer_spec
 from accutrain.core.mixing import make_mixer
 from accutrain.train.monitor import Monitor
-from accutrain.core.noise_scale import NoiseScale
+from accutrain.train.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use
 from accutrain.core.token_budget import TokenLengths
@@ -159,7 +159,7 @@ def build(cfg: TrainConfig, world: World, device: torch.device, cache_dir: Optio
         val_loader=val_loader, test_loader=test_loader, precision=precision, buffers=buffers, loss=loss,
         ema=make_ema(trainer, model), monitor=Monitor.from_config(trainer, loss.task, loss.monitor),
         lr_scaling=lr_scaling.BatchScaling(cfg.scaling.lr, cfg.scaling.base_batch, cfg.scaling.beta2, cfg.scaling.ema),
-        tokenizer=datasets.tokenizer, base=base,
+        tokenizer=datasets.tokenizer, base=base, class_names=datasets.class_names,
         noise=make_noise_scale(trainer, model, world, device, precision, plan, loss.elements))
 
 

@@ -19,7 +19,7 @@ from accutrain.config.typed import seal
 from accutrain.train import memory
 from accutrain.core.batches import Batch
 from accutrain.core.loss import Loss
-from accutrain.core.plan import window_split
+from accutrain.core.plan import ceil_div, window_split
 from accutrain.core.precision import full_float32, tolerance
 from accutrain.core.windows import MicroBatch
 from accutrain.dist import World, count_devices, resolve_device
@@ -144,7 +144,7 @@ def _compare(parts: Components) -> Check:
     per_group = {g: relative([accumulated[n] for n in names], [reference[n] for n in names])
                  for g, names in groups.items()}
     overall = relative(list(accumulated.values()), [reference[n] for n in accumulated])
-    micro_batches = -(-len(whole) // parts.plan.micro_batch)  # every device's, of up to micro_batch samples
+    micro_batches = ceil_div(len(whole), parts.plan.micro_batch)  # every device's, of up to micro_batch samples
     check = Check(len(whole), parts.plan.micro_batch, micro_batches, precision.name, per_group, overall,
                   tolerance(precision.name), where)
     for name, part in loss.components().items():  # a part the whole's gradient would hide, compared alone

@@ -14,7 +14,7 @@ from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
 from accutrain.train.monitor import Monitor
-from accutrain.core.noise_scale import NoiseScale
+from accutrain.train.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision
 from accutrain.core.streams import StreamSampler
@@ -54,6 +54,7 @@ class Components:
     noise: Optional[NoiseScale] = None  # the gradient noise scale's estimator (trainer.noise_scale)
     test_loader: Optional[Any] = None  # the test split (data.test), every rank its share: evaluated at the end
     base: Optional[dict[str, Any]] = None  # an adapted model's frozen base (models.adapters.base_record), or None
+    class_names: tuple[str, ...] = ()  # the data's: entry i names output i (store.classes records them)
 
     @property
     def trainer(self) -> TrainerConfig:

@@ -19,6 +19,7 @@ from accutrain.models import adapters
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint, rng
 from accutrain.store.rotation import Rotation
+from accutrain.store.classes import record, refuse_other_classes
 from accutrain.store.files import read_jsonl, write_atomic
 from accutrain.train.components import Components
 
@@ -38,7 +39,7 @@ def checkpoint_state(parts: Components, p: Progress) -> tuple[dict[str, Any], Op
         format=checkpoint.FORMAT, **tensors, scheduler=parts.scheduler.state_dict(),
         scaler=parts.precision.scaler.state_dict() if parts.precision.scaler else None, progress=asdict(p), rng=rngs,
         plan=parts.plan.record(), config=with_supplied(parts.run, parts.supplied),
-        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric, base=parts.base,
+        step=p.step, epoch=p.epoch, monitor=parts.monitor.metric, base=parts.base, classes=record(parts.class_names),
         noise_scale=parts.noise.state_dict() if parts.noise is not None else None,
         stream=parts.sampler.state_dict(p.epoch, p.window),  # a stream's position (None for a map-style set)
     ), shards
@@ -114,6 +115,7 @@ def restore(parts: Components, path: Path) -> Progress:
     now = with_supplied(parts.run, parts.supplied)  # as config.yaml and the checkpoint record it
     refuse_another_seed_or_optimizer(path, state.get("config") or {}, now)
     adapters.refuse_another_base(path, state.get("base"), parts.base)
+    refuse_other_classes(path, state.get("classes"), record(parts.class_names))
     say_another_precision(path, state.get("config") or {}, now)
     fresh = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in parts.optimizer.param_groups]
     fresh_base = list(getattr(parts.scheduler, "base_lrs", []))  # this run's learning rates, before the schedule's factor
@@ -234,8 +236,8 @@ def keep_metrics_until(path: Path, step: int, aside: Optional[Path] = None) -> N
     if not path.is_file():
         return
     kept, dropped = [], []
-    for line, record in read_jsonl(path):
-        (kept if record.get("step", 0) <= step else dropped).append(line + "\n")
+    for line, entry in read_jsonl(path):
+        (kept if entry.get("step", 0) <= step else dropped).append(line + "\n")
     if aside is not None and dropped:
         write_atomic(aside / path.name, "".join(dropped), durable=True)
     write_atomic(path, "".join(kept), durable=True)

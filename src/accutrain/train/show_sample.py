@@ -13,6 +13,7 @@ from accutrain.data import checks as data_checks
 from accutrain.errors import UserError
 
 OPEN, CLOSE = "⟦", "⟧"  # around the tokens counted in the loss
+CUT = "✂"  # where a record longer than data.max_length was cut
 
 
 def decode(tok: Any, ids: list[int]) -> str:
@@ -51,6 +52,7 @@ def show_sample(cfg: TrainConfig, index: int) -> str:
     if tok is not None and isinstance(item, dict) and ("chosen.input_ids" in item or "completion.labels" in item):
         return preference_sample(item, tok, cfg.loss.get("ignore_index", -100),
                                  f"training sample {index} of {of}, data {datasets.description}")
+    cut = datasets.stream is None and hasattr(train, "truncated") and train.truncated(index)
     if tok is None or not isinstance(item, dict) or "input_ids" not in item or item["labels"].dim() != 1:
         raise UserError("--show-sample shows a language-modelling sample of tokenized text (data=text, data=hf); "
                         f"this data ({cfg.data.target}) has none")
@@ -79,7 +81,10 @@ def show_sample(cfg: TrainConfig, index: int) -> str:
     flush()
     head = (f"training sample {index} of {of}, data {datasets.description}\n{len(ids)} tokens, "
             f"{sum(counted)} counted in the loss, between {OPEN} and {CLOSE}; the rest is context"
-            + (f"; {len(starts)} packed documents" if documents is not None else ""))
+            + (f"; {len(starts)} packed documents" if documents is not None else "")
+            + (f"\ntruncated: the record is longer than data.max_length={len(ids)}, cut at {CUT}: what follows "
+               "it in the record is not trained on" if cut else ""))
+    rendered += [f"{CUT}[cut at data.max_length={len(ids)}]"] if cut else []
     return head + "\n" + "".join(rendered)
 
 

@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from accutrain.core import compiled
-from accutrain.train import memory
+from accutrain.train import memory, threads
 from accutrain.core.options import Beta2Scaling
 from accutrain.store.progress import Progress
 from accutrain.core.windows import Window
@@ -46,6 +47,8 @@ class StepLog:
         self.graphs_said, self.first_step = 0, p.step + 1
         self.tokens = 0  # this session's loss terms, when they are elements
         self.measured: dict[str, float] = {}  # the loss's own figures of the last step (for the summary)
+        self.cpus = threads.available_cpus() if parts.device.type == "cpu" else None  # the log line's load, per core
+        self.watch = threads.ThreadWatch(torch.get_num_threads(), self.cpus) if self.cpus and parts.world.main else None
 
     def start(self) -> None:
         """A window begins: its time and its peak memory count from here."""
@@ -94,6 +97,8 @@ class StepLog:
         unit, per_s = ("tokens", record["tokens_per_s"]) if self.elements else ("samples", rate)
         if not self.bar.disable:
             self.bar.step(loss, lr, unit, per_s)
+        if self.watch is not None and (starved := self.watch.step(per_s, unit)):
+            log.warning(starved)
         if self.compiling is not None and not self.compiling.runs_graphs and p.step == self.first_step and \
                 parts.plan.micro_batch > 1:  # sizes 0 and 1 run eager by design
             log.warning("trainer.compile=true, yet torch.compile compiled nothing in the first optimizer step: the "
@@ -104,8 +109,10 @@ class StepLog:
                      f"compiling (optimizer step {p.step})")
         if p.step % self.log_every == 0:
             ppl = f"  ppl {record['ppl']:.4g}" if record.get("ppl") is not None else ""
+            busy = threads.load() if self.cpus else None
             log.info(f"step {p.step}/{parts.plan.total_steps} (epoch {epoch + 1}): loss {loss:.4f}{ppl}  lr {lr:.4g}  "
-                     f"grad_norm {norm:.3g}  {per_s:.0f} {unit}/s")
+                     f"grad_norm {norm:.3g}  {per_s:.0f} {unit}/s"
+                     + (f"  load {busy:.1f} on {self.cpus} cores" if busy is not None else ""))
 
     @property
     def seconds(self) -> float:

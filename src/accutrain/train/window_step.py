@@ -9,6 +9,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from accutrain import dist
+from accutrain.core.plan import ceil_div
 from accutrain.train import memory
 from accutrain.core.precision import found_inf_and_update
 from accutrain.store.progress import Progress
@@ -128,7 +129,7 @@ def cut_after_oom(parts: Components, progress: Progress, window: Window, error: 
     The window, hence the effective batch and the exact gradient, stay the same; accum doubles from now on."""
     if not memory.is_oom(error):
         raise error
-    largest = max(-(-n // progress.oom_parts) for n in window.sizes)
+    largest = max(ceil_div(n, progress.oom_parts) for n in window.sizes)
     if largest <= 1 or parts.world.size > 1 or parts.strategy.lockstep:
         raise UserError(f"out of memory with micro-batches of {largest}" + (
             " on one of several devices: set micro_batch lower (or micro_batch=auto)" if parts.world.size > 1 else
@@ -140,7 +141,7 @@ def cut_after_oom(parts: Components, progress: Progress, window: Window, error: 
     memory.free_memory(parts.device)
     progress.oom_parts *= 2
     count = sum(pieces(n, progress.oom_parts) for n in window.sizes)
-    most = max(-(-n // progress.oom_parts) for n in window.sizes)
+    most = max(ceil_div(n, progress.oom_parts) for n in window.sizes)
     log.warning(f"out of memory with micro-batches of {largest} at optimizer step {progress.step + 1}: the window is "
                 f"re-split into {count} micro-batches of at most {most}; "
                 f"the effective batch stays {parts.plan.effective}" + twice_note(parts.model))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from accutrain.core.noise_scale import NoiseScale, estimates
+from accutrain.train.noise_scale import NoiseScale, estimates
 from accutrain.core.step import accumulate, grad_norm
 from accutrain.dist import World
 
