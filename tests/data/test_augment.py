@@ -240,7 +240,7 @@ def test_window_data_without_views_or_mixer_is_unchanged():
 def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_crop(tmp_path, compose):
     from torchvision.transforms import v2
 
-    from accutrain.data.datasets import image_folder
+    from accutrain.data.folders import image_folder
     from conftest import make_image_folder
 
     root = make_image_folder(tmp_path, size=12)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from accutrain.data.datasets import digits, image_folder, synthetic, torchvision_dataset
+from accutrain.data.datasets import digits, synthetic, torchvision_dataset
+from accutrain.data.folders import image_folder
 from accutrain.errors import UserError
 from conftest import make_image_folder
 

@@ -317,23 +317,23 @@ def seeded(seed):
 
 
 def test_missing_transformers_and_unloadable_names_are_one_line(monkeypatch):
-    from accutrain.models import hf
+    from accutrain.models import hf_load
 
     with pytest.raises(UserError) as info:
-        hf.load("AutoModelForCausalLM", name_or_path="./no/such/dir")
+        hf_load.load("AutoModelForCausalLM", name_or_path="./no/such/dir")
     assert_one_line_user_error(info.value, "model.name_or_path=./no/such/dir: no such directory")
     with pytest.raises(UserError) as info:  # HF_HUB_OFFLINE=1 (conftest): not cached, and no network
-        hf.load("AutoModelForCausalLM", name_or_path="accutrain-tests/not-a-model")
+        hf_load.load("AutoModelForCausalLM", name_or_path="accutrain-tests/not-a-model")
     assert_one_line_user_error(info.value, "model.name_or_path=accutrain-tests/not-a-model could not be loaded")
     with pytest.raises(UserError) as info:
-        hf.load("AutoModelForCausalLM")
+        hf_load.load("AutoModelForCausalLM")
     assert_one_line_user_error(info.value, "+model.config.model_type=gpt2")
     with pytest.raises(UserError) as info:
-        hf.load("AutoModelForCausalLM", config={"model_type": "gpt2", "n_layers": 2})
+        hf_load.load("AutoModelForCausalLM", config={"model_type": "gpt2", "n_layers": 2})
     assert_one_line_user_error(info.value, "model.config.n_layers: GPT2Config has no such key (did you mean n_layer?)")
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(UserError) as info:
-        hf.load("AutoModelForSequenceClassification", config={"model_type": "gpt2"})
+        hf_load.load("AutoModelForSequenceClassification", config={"model_type": "gpt2"})
     assert_one_line_user_error(info.value, "model=hf_seq_cls needs the transformers package",
                                "pip install 'accutrain[hf]'")
 

@@ -178,7 +178,7 @@ def tokenizer_for(kind: str, tokenizer: str, chat_template_value: Optional[str])
         raise UserError(f"data.chat_template renders chat records; these records are {kind} (no "
                         "data.columns.messages column): drop data.chat_template")
     if chat_template_value is not None and tokenizer == "bytes":  # a template of one's own: Jinja, via transformers
-        from accutrain.models.hf import require_transformers
+        from accutrain.models.hf_load import require_transformers
 
         require_transformers("data.chat_template with data.tokenizer=bytes")
         tok = fast_byte_tokenizer()

@@ -66,7 +66,7 @@ def load_tokenizer(name: str) -> Any:
     """data.tokenizer: `bytes` (built in) or a Hugging Face tokenizer's Hub name or local directory."""
     if name == "bytes":
         return ByteTokenizer()
-    from accutrain.models.hf import from_hub, require_transformers
+    from accutrain.models.hf_load import from_hub, require_transformers
 
     transformers = require_transformers(f"data.tokenizer={name}")
     return from_hub(transformers.AutoTokenizer, name, key="data.tokenizer")

@@ -20,7 +20,8 @@ from torch import nn
 
 from accutrain.errors import UserError
 from accutrain.models import adapters
-from accutrain.models.hf import HFAdapter, adapt, load
+from accutrain.models.hf import HFAdapter, adapt
+from accutrain.models.hf_load import load
 
 POOLING = ("mean", "cls", "last")
 
