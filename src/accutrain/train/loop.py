@@ -25,6 +25,7 @@ from accutrain.core.loader import windows_of
 from accutrain.errors import NonFinite
 from accutrain.signals import StopRequest
 from accutrain.train.components import Components
+from accutrain.train.checkpoint_clock import CheckpointClock
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
 from accutrain.train.evaluation import run_validation
@@ -57,6 +58,9 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
     record = StepLog(parts, metrics, progress)
     counts = TermCounts(parts.loader.dataset, parts.sampler, parts.loss) if parts.loss.elements else None
     watch = WindowWatch(parts, stop)  # a stop signal mid-window: finish the window, or abandon it (train/stopping.py)
+    clock = CheckpointClock(trainer)  # trainer.checkpoint_minutes: by the clock the ranks agree on, and epoch ends
+    if parts.world.main:
+        log.info(clock.promise())
     parts.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check)
     if parts.buffers:
         parts.buffers.clear()
@@ -74,7 +78,8 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
                 return outcome(record, progress, stop.name, save(progress))
             if parts.buffers:
                 parts.buffers.release()  # the window's summed gradients back into .grad
-            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s)  # unscale, norm, …
+            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s,  # unscale, norm, …
+                             clock.seconds())
             watch.ended(settled.window_s, len(window.sizes))  # the pace every rank agrees on, for the next window
             if settled.stop:
                 watch.finished(progress.step + 1)
@@ -99,10 +104,11 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
                 if run_validation(parts, metrics, progress):
                     save(progress, best=True)
                 patience_out = not done and parts.monitor.out_of_patience(progress.evals_since_best)
-            if done or settled.stop or patience_out or (trainer.checkpoint_every and
-                                                         step % trainer.checkpoint_every == 0):
+            if done or settled.stop or patience_out or clock.due(settled.clock_s, progress.window == 0) or (
+                    trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
                 metrics.flush()  # every record up to this checkpoint is on disk before it
                 path = save(progress)
+                clock.written()
                 if done or settled.stop or patience_out:
                     return outcome(record, progress, stop.name if settled.stop else None, path, patience_out)
     return outcome(record, progress, None, None)
