@@ -18,13 +18,13 @@ from accutrain.errors import NonFinite, UserError
 from accutrain.parallel.state_dicts import write_sharded
 from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
+from accutrain.run.exports import export, export_if_missing
 from accutrain.run.malloc import tune_malloc
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import owned
 from accutrain.store.rotation import Rotation
 from accutrain.store.files import write_atomic
 from accutrain.store.status import add_to_status
-from accutrain.store.weights import WEIGHTS_FILE, save_weights
 from accutrain.trackers import Trackers
 from accutrain.train import check
 from accutrain.train.build import build
@@ -64,6 +64,8 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if progress.step >= parts.plan.total_steps:  # before anything is written: the run's record stays as it was
         log.info(f"the checkpoint is at optimizer step {progress.step}, the end of this run's plan "
                  f"({parts.plan.total_steps} steps): nothing left to train")
+        if world.main:
+            export_if_missing(parts, run_dir, progress.step)  # an export a full disk stopped: retried
         return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
     if world.main:  # the run takes its directory over (store.status.taken_over), then writes into it
         add_to_status(run_dir, plan=parts.plan.record())
@@ -101,22 +103,6 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if world.main:
         save.raise_if_the_last_failed()
     return out
-
-
-def export(parts: Components, run_dir: Path, step: int) -> None:
-    """trainer.export: the trained model's weights alone (weights: run_dir/model.safetensors), or the model saved with
-    save_pretrained (hf, merged) into run_dir/hf."""
-    if parts.trainer.export == "weights":
-        path = run_dir / WEIGHTS_FILE
-        size = save_weights(parts.model.state_dict(), path, dict(step=step, model=parts.run.model.target))
-        log.info(f"exported the weights ({size / 2**20:.3g} MiB) to {path} (safetensors.torch.load_file, then "
-                 "load_state_dict)")
-        return
-    from accutrain.models.hf import export as save_pretrained
-
-    merged = parts.trainer.export == "merged"
-    log.info(f"exported with save_pretrained{' (the adapter merged in)' if merged else ''} to "
-             f"{save_pretrained(parts.model, parts.tokenizer, run_dir / 'hf', merged=merged)}")
 
 
 def agree_on_run_dir(run_dir: Path, world: World) -> Path:
