@@ -10,7 +10,7 @@ from pathlib import Path
 
 from accutrain.store import mark
 from accutrain.store.logfile import reopen_log_files
-from accutrain.store.rundir import CHECKPOINTS, RUN_FILES
+from accutrain.store.run_files import CHECKPOINTS, RUN_FILES
 
 # Besides RUN_FILES: the trackers' run ids (store.owned.TRACKERS_FILE) and the exports (trainer.export).
 OWNED_FILES = ("trackers.json", "model.safetensors", "hf")

@@ -13,14 +13,11 @@ from accutrain.errors import UserError
 from accutrain.store import mark
 from accutrain.store.files import read_jsonl
 from accutrain.store.record import Changes
+from accutrain.store.run_files import CHECKPOINTS, METRICS, RUN_FILES  # noqa: F401 (RUN_FILES: for store.owned)
 from accutrain.store.status import STATUS_FILE, live_here, read_status
 
 log = logging.getLogger("accutrain")
 
-METRICS = "metrics.jsonl"
-CHECKPOINTS = "checkpoints"
-# What a run writes besides checkpoints/ and the log; trainer.overwrite=true deletes them (train.log is emptied).
-RUN_FILES = (METRICS, STATUS_FILE, "config.yaml", "loss.png", "summary.md", "summary.csv")
 
 
 def checkpoint_files(run_dir: Path) -> list[Path]:
