@@ -30,6 +30,7 @@ from accutrain.train import check
 from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
+from accutrain.train.memory import fold_peak
 from accutrain.train.metrics import MetricsLog, summary_lines
 from accutrain.train.resume import checkpoint_state, resume_point, start_branch
 from accutrain.train.testing import headline, run_test
@@ -92,6 +93,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
         raise
     finally:
         metrics.close()
+    out.peak_mb = max(out.peak_mb, fold_peak(parts.device))  # the process's: the final evaluation, test, export too
     if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
         out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=parts.device), world).item())
     if world.main:
