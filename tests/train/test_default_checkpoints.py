@@ -54,3 +54,13 @@ def test_a_start_from_scratch_beside_a_best_checkpoint_says_so_without_contradic
     _, log = train_here(tmp_path, "run", *args, "resume=auto")
     assert "no checkpoint to resume from" in log and "starting from scratch" in log
     assert "another branch" not in log and "this run starts at optimizer step 0" in log and "best.pt" in log
+
+
+@pytest.mark.slow
+def test_two_ranks_decide_alike_by_the_clock(tmp_path):
+    """Each rank's clock differs; the decision is the ranks' mean, carried by the step's all-reduce: every rank
+    checkpoints at the same steps (a rank deciding alone would leave the other in the checkpoint's wait)."""
+    args = [*TINY, "data.size=64", "micro_batch=4", "accum=2", "trainer.epochs=1", "trainer.keep_checkpoints=50",
+            "trainer.checkpoint_minutes=1e-9"]
+    two, _ = train_here(tmp_path, "two", *args, "devices=2")
+    assert step_files(two) == list(range(1, 9))
