@@ -22,7 +22,7 @@ def owned_checkpoints(folder: Path) -> list[Path]:
     (epoch<E>-step<S>.pt, best-….pt), temporary files, the abandoned branches; a user's own file there stays."""
     from accutrain.store.checkpoint import ABANDONED, NAMED_FILE, STEP_FILE  # (imports torch: not for --help)
 
-    if not folder.is_dir() or folder.is_symlink():
+    if not folder.is_dir():  # (a checkpoints/ linked to another disk is the run's: it writes its checkpoints there)
         return []
     return sorted(p for p in folder.iterdir() if STEP_FILE.match(p.name) or NAMED_FILE.match(p.name)
                   or p.name in ("last.pt", "last", "best.pt", "best") or p.name.startswith(ABANDONED)
