@@ -1,7 +1,8 @@
 """trainer.overwrite=true: delete everything an earlier run owned in its run directory — its checkpoints of every
 kind (step files and sharded directories, last, best, their names, abandoned branches), its run files, its exports
 and its trackers' ids — and empty train.log, naming every file deleted. Nothing is written, truncated or deleted
-through a link: a link is removed itself, whatever it leads to."""
+through a link among those names: a link is removed itself, whatever it leads to (but checkpoints/, which a run
+writes its checkpoints into wherever it leads, is searched for accutrain's names as it is)."""
 from __future__ import annotations
 
 import os
