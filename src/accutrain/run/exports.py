@@ -75,7 +75,7 @@ def remove_tree(path: Path) -> None:
 
 
 def reason(error: Exception) -> str:
-    """The OS's words for a failed write (safetensors wraps them: `IoError(Os { … message: "No space left …" })`)."""
+    """The OS's words for a failed write (safetensors wraps them: `IoError(Os { … message: "No space …" })`)."""
     if isinstance(error, OSError):
         return error.strerror or str(error)
     found = re.search(r'message: "([^"]+)"', str(error))

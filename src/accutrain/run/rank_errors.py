@@ -16,7 +16,7 @@ trace_log = logging.getLogger("accutrain.traceback")  # train.log only (configs/
 
 
 def rank_failure(error: Exception, rank: int, size: int, args: tuple) -> tuple[Any, ...]:
-    """In a worker: what the parent says of `error` — (rank, the one line[, the traceback]) — a UserError's own line,
+    """In a worker: what the parent says of `error` — (rank, the one line[, its traceback]) — a UserError's line,
     or the line of a user plug-in's exception; anything else is a bug of accutrain's, raised again (its traceback as
     usual). `args`: train_rank's."""
     if isinstance(error, UserError):

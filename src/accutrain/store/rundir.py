@@ -10,7 +10,6 @@ from typing import Iterator, Optional
 
 
 from accutrain.errors import UserError
-from accutrain.store import mark
 from accutrain.store.files import read_jsonl
 from accutrain.store.record import Changes
 from accutrain.store.run_files import CHECKPOINTS, METRICS, RUN_FILES  # noqa: F401 (RUN_FILES: for store.owned)
