@@ -25,7 +25,12 @@ class Preempted(Exception):
 
 
 class RankDied(Exception):
-    """A rank's process was killed (SIGKILL, the OOM killer): every rank stopped; said in one line."""
+    """A rank's process was killed (SIGKILL, the OOM killer) or exited: every rank stopped; said in one line, the
+    command exiting with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def one_line(error: BaseException) -> str:

@@ -87,3 +87,19 @@ def test_a_run_of_a_torchrun_world_is_resumed_on_as_many_ranks(tmp_path):
                                  "command makes it 32", "devices=2")
     spawned = run_cli("resume=auto", f"hydra.run.dir={run_dir}", "devices=2", "trainer.max_steps=3", cwd=tmp_path)
     assert "resumed from" in spawned.stderr and read_metrics(run_dir)[0][-1]["step"] == 3
+
+
+def test_a_run_killed_before_its_plan_is_refused_not_filled_with_the_default_run(tmp_path):
+    """SIGKILL after the directory's mark, before Hydra's record (.hydra/overrides.yaml): resume=auto with only the
+    directory has no run to continue, and says what to type instead of training the default config there."""
+    from accutrain.store import mark
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mark.write_new(run_dir, "run")  # what the killed command left: its mark alone
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = run_cli("resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert_one_line_error(proc, f"resume=auto: {run_dir} holds no run plan (.hydra/overrides.yaml",
+                          f"start that run again with its own overrides, accutrain <overrides> hydra.run.dir={run_dir}")
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # nothing written, nothing trained

@@ -28,6 +28,7 @@ RUNS = {
                             "micro_batch=8 accum=4"),
     "batch_size_study.py": (["--epochs", "1", "--only", "a/2x2"], "| a/2x2 | 8 |"),
     "bench_augment.py": (["--rounds", "1", "--size", "32", "--micro-batch", "8"], "crop_flip+mix"),
+    "bench_checkpoint_cost.py": (["--writes", "2", *TINY_IMAGES], "the default checkpointing adds"),
     "bench_ddp.py": (["--steps", "3", "--warmup", "1", "--accums", "2", *TINY_IMAGES, "micro_batch=4"], "    2 | "),
     "bench_hf_memory.py": (["--sizes", "20", "--rounds", "1"], "20 records"),
     "bench_lm_finetune.py": (["--tiny"], "micro_tokens="),

@@ -246,3 +246,33 @@ def test_ctrl_c_stops_every_rank_once_after_a_checkpoint(slow):
     output = (tmp_path / "run.log").read_text()
     assert "Traceback" not in output and "stopped by SIGINT after optimizer step" in output, output
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "interrupted"
+
+
+FAILING_LOSS = """
+import os
+
+def loss(output, target):
+    if os.environ.get("EXIT_CODE"):
+        os._exit(int(os.environ["EXIT_CODE"]))
+    raise ValueError("no loss for this batch")
+"""
+
+
+@pytest.mark.parametrize("how", ["raises", "exits"])
+def test_a_plugin_that_fails_on_two_ranks_is_one_line_with_one_devices_exit_code(tmp_path, how):
+    """Issue 52: a custom loss raising ValueError was 66 lines and exit 1 with devices=2 (one device: one line, exit
+    2); a rank's os._exit(7) a traceback ending `rank 1 of 2 died (exit code 7)` (one device: exit 7)."""
+    (tmp_path / "mine.py").write_text(FAILING_LOSS)
+    env = {"EXIT_CODE": "7"} if how == "exits" else {}
+    args = [*TINY, "loss=custom", "loss._target_=mine.loss", "trainer.max_steps=2"]
+    one = run_cli(*args, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path, check=False, env=env)
+    two = run_cli(*args, "devices=2", f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path, check=False, env=env)
+    assert two.returncode == one.returncode == (7 if how == "exits" else 2), two.stderr
+    assert "Traceback" not in two.stdout + two.stderr
+    if how == "raises":
+        assert_one_line_error(two, "of 2: the loss mine.loss raised ValueError: no loss for this batch (mine.py:7, "
+                                   "in loss); the full traceback is in train.log")
+        assert one.stderr.count("error:") == 1 and "the loss mine.loss raised ValueError" in one.stderr
+    else:
+        assert_one_line_error(two, "of 2 exited with code 7 (os._exit or sys.exit in the code it ran): every rank "
+                                   "stopped")

@@ -96,3 +96,25 @@ def test_status_json_is_written_in_place_when_there_is_no_room_for_a_new_file(tm
     record = status.read_status(tmp_path)
     assert record["state"] == "failed" and record["error"].startswith("could not write the checkpoint")
     assert "started" in record and "ended" in record
+
+
+def files_of_4_kib():
+    """In the child: no file may grow past 4 KiB (the start's write check, 4 KiB, passes; Hydra's record does not)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_hydras_own_record_on_a_full_disk_is_one_line(tmp_path, sweep):
+    """Issue 52: Hydra's .hydra/hydra.yaml (a run) or multirun.yaml (a sweep) that cannot be written was Hydra's
+    traceback (its _save_config's OSError)."""
+    deep = tmp_path.joinpath(*["d" * 200] * 18)  # hydra.yaml names the run directory twice: over 4 KiB
+    args = ["-m", "debug=fast", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"] if sweep else \
+        ["debug=fast", f"hydra.run.dir={deep}"]
+    proc = subprocess.run([*cli_command(), *args], cwd=tmp_path, capture_output=True, text=True, timeout=COMMAND_S,
+                          preexec_fn=files_of_4_kib, env={**os.environ, **ONE_THREAD})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    written = tmp_path / "sweep" / "multirun.yaml" if sweep else deep / ".hydra" / "hydra.yaml"
+    assert errors == [f"accutrain: error: Hydra could not write {written} ({os.strerror(errno.EFBIG)}): make room "
+                      "on that disk (or choose a directory on another) and run the command again"], output

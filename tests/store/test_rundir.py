@@ -261,3 +261,37 @@ def test_an_empty_folder_or_an_earlier_run_is_a_run_directory(tmp_path):
     (hydra_only / ".hydra" / "config.yaml").write_text("db:\n  host: x\n")  # another Hydra app's record
     with pytest.raises(UserError, match="is not an accutrain run directory"):
         owned.refuse_foreign(hydra_only, "hydra.run.dir")
+
+
+def test_overwriting_a_finished_run_twice_deletes_and_lists_everything_it_owned(tmp_path):
+    """Issue 52: best.pt (a run with a validation split) went with neither overwrite, and the next run then set it
+    aside as another branch's; every file the earlier run wrote is deleted and named, nothing moved aside."""
+    args = [*QUICK, "trainer.export=weights"]  # debug=fast has a validation split: best.pt and its name
+    run_dir, _ = train_run(tmp_path, "run", *args)
+    for _ in range(2):
+        owned = {p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file()
+                 and not p.relative_to(run_dir).as_posix().startswith((".hydra", ".accutrain", ".lock", "train.log"))}
+        assert {"checkpoints/best.pt", "model.safetensors", "status.json"} <= owned
+        _, proc = train_run(tmp_path, "run", *args, "trainer.overwrite=true")
+        warning = next(line for line in proc.stderr.splitlines() if "trainer.overwrite=true: deleted" in line)
+        listed = set(warning.split("deleted the earlier run's ", 1)[1].split(f" in {run_dir}")[0].split(", "))
+        assert owned <= listed, owned - listed
+        assert "train.log (emptied)" in listed
+        assert not list((run_dir / "checkpoints").glob("abandoned-*")), proc.stderr
+        assert "another branch" not in proc.stderr
+
+
+def test_overwrite_never_empties_a_train_log_that_links_outside_the_run(tmp_path):
+    run_dir, _ = train_run(tmp_path, "run", *QUICK)
+    outside = tmp_path / "my-notes.log"
+    outside.write_text("the user's own log, kept\n")
+    (run_dir / "train.log").unlink()
+    (run_dir / "train.log").symlink_to(outside)
+    _, proc = train_run(tmp_path, "run", *QUICK, "resume=auto")  # nothing left to train: its lines not written there
+    assert outside.read_text() == "the user's own log, kept\n"
+    assert "is a link to" in proc.stderr and "does not write through it" in proc.stderr
+    _, proc = train_run(tmp_path, "run", *QUICK, "trainer.overwrite=true")
+    assert outside.read_text() == "the user's own log, kept\n"
+    assert f"train.log (a link to {outside}: the link removed, {outside} untouched)" in proc.stderr
+    log = run_dir / "train.log"
+    assert not log.is_symlink() and "done: 3 optimizer steps" in log.read_text()  # the new run's own log

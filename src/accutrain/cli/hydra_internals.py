@@ -4,6 +4,8 @@ split of a sweep into jobs — so that the checks before Hydra runs compose exac
 tests/config/test_hydra_internals.py fails, naming the function, when a Hydra release moves or changes one of them."""
 from __future__ import annotations
 
+import os
+import sys
 from argparse import ArgumentParser
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional
@@ -67,6 +69,62 @@ def run(argv: list[str], task: Callable[[Any], Any], config_path: str, config_na
     if args.experimental_rerun is not None:
         task(_get_rerun_conf(args.experimental_rerun, args.overrides))
         return
-    with known_mode(mode[0]) if mode is not None else nullcontext():
+    with known_mode(mode[0]) if mode is not None else nullcontext(), hydra_write_errors_in_one_line():
         _run_hydra(args=args, args_parser=parser, task_function=task, config_path=config_path,
                    config_name=config_name)
+
+
+@contextmanager
+def hydra_write_errors_in_one_line() -> Iterator[None]:
+    """While Hydra runs: a file Hydra itself cannot write (its record of the run, .hydra/*.yaml, or a sweep's
+    multirun.yaml, on a full disk) is one line and exit code 2, not the traceback Hydra's run_and_report prints. An
+    OSError raised in accutrain's own code (the job) is not Hydra's: it goes its usual way."""
+    import hydra._internal.utils as hydra_utils
+
+    original = hydra_utils.run_and_report
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        def guarded() -> Any:
+            try:
+                return func()
+            except OSError as e:
+                if not hydras_own(e):
+                    raise
+                where = f" {e.filename or written_file(e) or ''}".rstrip()
+                sys.stderr.write(f"accutrain: error: Hydra could not write{where} ({e.strerror or e}): make room on "
+                                 "that disk (or choose a directory on another) and run the command again\n")
+                sys.exit(2)
+        return original(guarded)
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = original
+
+
+def hydras_own(error: BaseException) -> bool:
+    """Whether no frame of the error's traceback is accutrain's: Hydra (or OmegaConf under it) raised it."""
+    import accutrain
+
+    ours = os.path.dirname(accutrain.__file__)
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None  # (the first: `guarded` above)
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(ours):
+            return False
+        tb = tb.tb_next
+    return True
+
+
+def written_file(error: BaseException) -> Any:
+    """The file Hydra's _save_config (the run's record) or OmegaConf.save (its `f`: a sweep's multirun.yaml) was
+    writing when `error` was raised, if it was."""
+    tb, found = error.__traceback__, None
+    while tb is not None:
+        name, local = tb.tb_frame.f_code.co_name, tb.tb_frame.f_locals
+        if name == "_save_config" and "output_dir" in local and "filename" in local:
+            found = os.path.join(str(local["output_dir"]), str(local["filename"]))
+        elif name == "save" and isinstance(local.get("f"), (str, os.PathLike)):
+            found = local["f"]
+        tb = tb.tb_next
+    return found

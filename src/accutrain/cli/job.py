@@ -140,7 +140,7 @@ def job(cfg: DictConfig, decided: Decided, tally: Tally, holds: ExitStack) -> Op
     except RankDied as e:
         log.error(str(e))
         if not multirun:
-            sys.exit(1)
+            sys.exit(e.exit_code)
         tally.failed += 1
     except (Exception, SystemExit) as e:
         if isinstance(e, SystemExit) and e.code not in (None, 0):

@@ -123,9 +123,13 @@ def carry(args: Namespace, prog: Optional[str]) -> list[str]:
         return []
     subdir = next((o.split("=", 1)[1] for o in reversed(given) if o.startswith("hydra.output_subdir=")), ".hydra")
     record = Recorded(Path(run_dir).expanduser(), subdir)
-    if not record.found or mark.owner(Path(run_dir).expanduser()) != "run":  # (a folder that is not an accutrain
-        return []  # run's carries nothing: the checks refuse it)
+    if mark.owner(Path(run_dir).expanduser()) != "run":  # (a folder that is not an accutrain run's carries nothing:
+        return []  # the checks refuse it)
     own = [o for o in given if not override_key(o).startswith("hydra") and override_key(o) not in NOT_CARRIED]
+    if not record.found:
+        if not own:  # the command line says nothing of the run either: it would be the default config's
+            refuse_a_run_without_its_plan(Path(run_dir).expanduser(), subdir)
+        return []
     refuse_what_the_checkpoints_cannot_take(Path(run_dir), record, own)
     keys = {override_key(o) for o in given}
     carried = [o for o in record.overrides if override_key(o) not in keys and override_key(o) not in NOT_CARRIED
@@ -140,3 +144,16 @@ def carry(args: Namespace, prog: Optional[str]) -> list[str]:
                  if carried else "") + (f"; changed on this command line: {', '.join(changes)}" if changes else ""),
               file=sys.stderr)
     return carried
+
+
+def refuse_a_run_without_its_plan(run_dir: Path, subdir: str) -> None:
+    """A run directory accutrain marked whose run left no plan — neither Hydra's record (`subdir`/overrides.yaml) nor
+    accutrain's config.yaml: its run was stopped between the mark and Hydra's record, so resume=auto cannot know
+    what it was (and the command line gives no override of the run's). UserError, rather than filling the
+    directory with the default config's run."""
+    if subdir in ("null", "None", "~", "") or (run_dir / "config.yaml").is_file():
+        return  # a run started with hydra.output_subdir=null records its config in config.yaml alone
+    raise UserError(f"resume=auto: {run_dir} holds no run plan ({Path(subdir) / 'overrides.yaml'} and config.yaml "
+                    "are missing: its run was stopped before it wrote them, before training), so there is nothing "
+                    f"to continue: start that run again with its own overrides, accutrain <overrides> "
+                    f"hydra.run.dir={run_dir}, or choose a new hydra.run.dir")

@@ -129,6 +129,7 @@ class TrainerConfig:
     log_every: int = 50  # optimizer steps between log lines in train.log (metrics.jsonl gets every step)
     progress: bool = True  # the tqdm bar (counts optimizer steps)
     checkpoint_every: Optional[int] = None  # optimizer steps; a checkpoint is also written at the end and on SIGTERM
+    checkpoint_minutes: Optional[float] = 10.0  # also after this many minutes, and at every epoch end (null: neither)
     keep_checkpoints: int = 3  # step-*.pt files kept in checkpoints/ (last.pt is the newest)
     on_nonfinite: OnNonFinite = OnNonFinite.stop  # a NaN/Inf loss or gradient in a window
     precision: str = "32"  # 32 | bf16-mixed | 16-mixed (autocast; 16: GradScaler) | bf16-true (bf16 weights)

@@ -42,6 +42,9 @@ def check_values(cfg: DictConfig) -> None:
     check_optim(cfg.optim)
     check_sched(cfg.sched)
     check_model(cfg.model)
+    if cfg.trainer.checkpoint_minutes is not None:
+        finite_at_least("trainer.checkpoint_minutes", cfg.trainer.checkpoint_minutes, 0, "a positive number of "
+                        "minutes, or null (no checkpoint by the clock nor at epoch ends)", above=True)
     if builtin(cfg.data, SyntheticData) and cfg.data.num_classes < 2:
         raise UserError(f"data.num_classes={cfg.data.num_classes} is not valid: expected 2 or more classes (with one, "
                         "cross-entropy is 0 whatever the model says: nothing is learned)")

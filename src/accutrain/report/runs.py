@@ -165,6 +165,8 @@ def read_run(run_dir: Path, job: str) -> RunRow:
         rates = [r["samples_per_s"] for r in steps if isinstance(r.get("samples_per_s"), (int, float))]
         row.samples_per_s = statistics.median(rates) if rates else None
         peaks = [r["peak_mem_mb"] for r in steps if isinstance(r.get("peak_mem_mb"), (int, float))]
+        process = (record or {}).get("peak_mem_mb")  # the process's (evaluations, checkpoints, test included)
+        peaks += [process] if isinstance(process, (int, float)) else []
         row.peak_mem_mb = max(peaks) if peaks else None
         row.curve = [(r.get("samples_seen", r["step"]), r["loss"]) for r in steps]
         row.noise_curve = [(r.get("samples_seen", r["step"]), r["b_simple"], r["effective"]) for r in steps

@@ -122,7 +122,8 @@ def markdown(rows: list[RunRow], root: Path, image: Optional[str]) -> str:
                  "best (monitored): trainer.monitor's best evaluation, the one checkpoints/best.pt holds; "
                  "samples/s: median over optimizer steps; test (with data.test): the monitored metric on the "
                  "test split, of the last weights and of best.pt's; "
-                 "peak mem: the largest `peak_mem_mb` in metrics.jsonl; wall: from start to end (or to now).")
+                 "peak mem: the process's (status.json), else the largest in metrics.jsonl; "
+                 "wall: from start to end (or to now).")
     if image:
         parts.append(f"![training loss, peak memory and samples/s]({image})")
     return "\n\n".join(parts) + "\n"

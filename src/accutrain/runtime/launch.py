@@ -22,6 +22,7 @@ from accutrain.core.precision import float32_math
 from accutrain.dist import World, count_devices, leave_process_group, resolve_device
 from accutrain.errors import Preempted, RankDied, UserError
 from accutrain.models.norms import batchnorm_in
+from accutrain.runtime.rank_errors import exited, rank_failure, reported
 from accutrain.runtime.scheduler import launcher_name
 from accutrain.runtime.session import train_rank
 from accutrain.seeding import deterministic_algorithms
@@ -170,8 +171,8 @@ def _worker(local_rank: int, job: _Job) -> None:
             result = job.target(world, *job.args)
         if world.main:
             job.results.put(result)
-    except UserError as e:
-        job.errors.put((world.rank, str(e)))
+    except Exception as e:  # a user error, or a plug-in's: said in the parent (a bug of accutrain's: raised)
+        job.errors.put(rank_failure(e, world.rank, world.size, job.args))
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C before this rank trains, or a second one: stopped at once (the command says so)
         sys.exit(128 + signal.SIGINT)
@@ -276,12 +277,11 @@ def spawn(nprocs: int, target: Callable[..., Any], args: tuple, log_config: Opti
                 pass
     except torch.multiprocessing.ProcessExitedException as e:
         if not errors.empty():
-            raise UserError(errors.get()[1]) from None
-        raise RuntimeError(f"rank {e.error_index} of {nprocs} died (exit code {e.exit_code}); every rank stopped"
-                           ) from None
+            raise reported(errors.get()) from None
+        raise exited(e.error_index, nprocs, e.exit_code, newest_checkpoint(args)) from None
     except torch.multiprocessing.ProcessRaisedException as e:
         if not errors.empty():  # a user error on one rank, seen here after another rank's broken collective
-            raise UserError(errors.get()[1]) from None
+            raise reported(errors.get()) from None
         cause = str(e).strip().splitlines()[-1]  # the failing rank's exception, `Type: message`
         raise RuntimeError(f"rank {e.error_index} of {nprocs} failed ({cause}); every rank stopped. Its traceback:"
                            f"\n{e}") from None

@@ -19,7 +19,7 @@ from accutrain.parallel.state_dicts import write_sharded
 from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
 from accutrain.runtime.cpu import prepare as prepare_cpu
-from accutrain.runtime.export import export
+from accutrain.runtime.export import export, export_if_missing
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import owned
 from accutrain.store.classes import record
@@ -31,6 +31,7 @@ from accutrain.train import check
 from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
+from accutrain.train.memory import fold_peak
 from accutrain.train.metrics import MetricsLog, summary_lines
 from accutrain.train.resume import checkpoint_state, resume_point, start_branch
 from accutrain.train.testing import headline, run_test
@@ -64,6 +65,8 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     if progress.step >= parts.plan.total_steps:  # before anything is written: the run's record stays as it was
         log.info(f"the checkpoint is at optimizer step {progress.step}, the end of this run's plan "
                  f"({parts.plan.total_steps} steps): nothing left to train")
+        if world.main:
+            export_if_missing(parts, run_dir, progress.step)  # an export a full disk stopped: retried
         return Outcome(progress, 0.0, 0, 0.0, checkpoint=resume_from)
     if world.main:  # the run takes its directory over (store.status.taken_over), then writes into it
         add_to_status(run_dir, plan=parts.plan.record(), classes=record(parts.class_names))
@@ -90,6 +93,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
         raise
     finally:
         metrics.close()
+    out.peak_mb = max(out.peak_mb, fold_peak(parts.device))  # the process's: the final evaluation, test, export too
     if world.size > 1:  # the summary, status.json and the trackers name the most any rank held
         out.peak_mb = float(dist.all_reduce_max(torch.tensor(out.peak_mb, device=parts.device), world).item())
     if world.main:

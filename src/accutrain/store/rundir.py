@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
 
 from accutrain.errors import UserError
-from accutrain.store import mark
 from accutrain.store.files import read_jsonl
 from accutrain.store.record import Changes
+from accutrain.store.run_files import CHECKPOINTS, METRICS, RUN_FILES  # noqa: F401 (RUN_FILES: for store.owned)
 from accutrain.store.status import STATUS_FILE, live_here, read_status
 
 log = logging.getLogger("accutrain")
 
-METRICS = "metrics.jsonl"
-CHECKPOINTS = "checkpoints"
-# What a run writes besides checkpoints/ and the log; trainer.overwrite=true deletes them (train.log is emptied).
-RUN_FILES = (METRICS, STATUS_FILE, "config.yaml", "loss.png", "summary.md", "summary.csv")
 
 
 def checkpoint_files(run_dir: Path) -> list[Path]:
@@ -108,23 +103,11 @@ def check_writable(run_dir: Path, log_file: Optional[Path] = None) -> None:
 
 
 def clear(run_dir: Path) -> list[str]:
-    """trainer.overwrite=true: delete what an earlier run wrote (checkpoints, abandoned branches' too, metrics.jsonl,
-    status.json, config.yaml, plots, summaries) and empty its train.log (which Hydra may already hold open); the
-    names removed. Only in a directory accutrain marked as a run's (UserError otherwise)."""
-    mark.require(run_dir, "run", "delete an earlier run's files (trainer.overwrite=true)")
-    removed = []
-    for path in [*checkpoint_files(run_dir), *(run_dir / name for name in RUN_FILES)]:
-        if path.is_file():
-            path.unlink()
-            removed.append(path.relative_to(run_dir).as_posix())
-    for branch in sorted((run_dir / CHECKPOINTS).glob("abandoned-*/")):  # the checkpoints of branches a resume left
-        shutil.rmtree(branch)
-        removed.append(branch.relative_to(run_dir).as_posix() + "/")
-    log = run_dir / "train.log"
-    if log.is_file() and log.stat().st_size:
-        os.truncate(log, 0)
-        removed.append("train.log (emptied)")
-    return removed
+    """trainer.overwrite=true: delete what an earlier run owned and empty its train.log (store.overwrite); the names
+    removed."""
+    from accutrain.store.overwrite import clear_run
+
+    return clear_run(run_dir)
 
 
 LOCK_FILE = ".lock"

@@ -25,6 +25,8 @@ from accutrain.core.loader import windows_of
 from accutrain.errors import NonFinite
 from accutrain.signals import StopRequest
 from accutrain.train.components import Components
+from accutrain.train import memory
+from accutrain.train.checkpoint_clock import CheckpointClock
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
 from accutrain.train.evaluation import run_validation
@@ -39,7 +41,7 @@ class Outcome:
     progress: Progress
     seconds: float  # this session's wall time in the loop
     samples: int  # samples this session trained on
-    peak_mb: float  # the highest per-step peak memory of this session (MiB)
+    peak_mb: float  # the process's peak memory (MiB): every window's, and what ran before, between and after them
     stopped_by: Optional[str] = None  # the signal that stopped the run early
     checkpoint: Optional[Path] = None
     early_stop: bool = False  # trainer.early_stopping ended the run before its plan
@@ -57,6 +59,10 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
     record = StepLog(parts, metrics, progress)
     counts = TermCounts(parts.loader.dataset, parts.sampler, parts.loss) if parts.loss.elements else None
     watch = WindowWatch(parts, stop)  # a stop signal mid-window: finish the window, or abandon it (train/stopping.py)
+    clock = CheckpointClock(trainer)  # trainer.checkpoint_minutes: by the clock the ranks agree on, and epoch ends
+    if parts.world.main:
+        log.info(clock.promise())
+    memory.fold_peak(parts.device)  # the build's, the check's and the resume's peak, before the first window resets it
     parts.model.zero_grad(set_to_none=True)  # the first window starts from nothing, whatever ran before (a check)
     if parts.buffers:
         parts.buffers.clear()
@@ -74,7 +80,8 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
                 return outcome(record, progress, stop.name, save(progress))
             if parts.buffers:
                 parts.buffers.release()  # the window's summed gradients back into .grad
-            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s)  # unscale, norm, …
+            settled = settle(parts, params, trainer.grad_clip, loss_sum, stop, watch.last_s,  # unscale, norm, …
+                             clock.seconds())
             watch.ended(settled.window_s, len(window.sizes))  # the pace every rank agrees on, for the next window
             if settled.stop:
                 watch.finished(progress.step + 1)
@@ -98,11 +105,14 @@ def fit(parts: Components, metrics: MetricsLog, progress: Progress, save: Callab
             if done or (step % trainer.eval_every == 0 if trainer.eval_every else progress.window == 0):
                 if run_validation(parts, metrics, progress):
                     save(progress, best=True)
+                memory.fold_peak(parts.device)  # an evaluation's peak: the process's, before the next window resets it
                 patience_out = not done and parts.monitor.out_of_patience(progress.evals_since_best)
-            if done or settled.stop or patience_out or (trainer.checkpoint_every and
-                                                         step % trainer.checkpoint_every == 0):
+            if done or settled.stop or patience_out or clock.due(settled.clock_s, progress.window == 0) or (
+                    trainer.checkpoint_every and step % trainer.checkpoint_every == 0):
                 metrics.flush()  # every record up to this checkpoint is on disk before it
                 path = save(progress)
+                clock.written()
+                memory.fold_peak(parts.device)
                 if done or settled.stop or patience_out:
                     return outcome(record, progress, stop.name if settled.stop else None, path, patience_out)
     return outcome(record, progress, None, None)

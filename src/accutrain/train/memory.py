@@ -93,6 +93,16 @@ def peak_mb(device: torch.device) -> float:
     return _PEAK_RSS.mb()
 
 
+_PROCESS_PEAK = {"mb": 0.0}  # the highest peak read before a reset_peak started a new one (fold_peak)
+
+
+def fold_peak(device: torch.device) -> float:
+    """Keep the peak since the last reset_peak in the process's peak (before anything resets it: the loop's
+    evaluations and checkpoints, which the next window's reset would hide); the process's peak so far, in MiB."""
+    _PROCESS_PEAK["mb"] = max(_PROCESS_PEAK["mb"], peak_mb(device))
+    return _PROCESS_PEAK["mb"]
+
+
 def is_oom(error: BaseException) -> bool:
     """CUDA's OutOfMemoryError, or the CPU allocator failing."""
     text = str(error).lower()

@@ -91,7 +91,7 @@ def find_resume(cfg: TrainConfig, run_dir: Path, passed: Optional[set[Path]] = N
     if found is None:
         if cfg.resume != "auto":
             raise UserError(f"resume={cfg.resume}: no readable checkpoint in {where}")
-        log.info(f"resume=auto: no checkpoint in {where} yet: starting from scratch")
+        log.info(f"resume=auto: no checkpoint to resume from in {where}: starting from scratch")
         return None
     return found[0]
 
@@ -248,7 +248,11 @@ def start_branch(run_dir: Path, step: int, resumed: bool) -> None:
     set aside (Rotation.set_aside) with the records metrics.jsonl holds of those steps; without them, what
     a killed run logged after its checkpoint is dropped, or (from scratch) what a run before it logged."""
     aside = Rotation(run_dir / "checkpoints", 0).set_aside(step)
-    if aside is not None:
+    if aside is not None and step == 0 and not resumed:
+        log.warning(f"this run starts at optimizer step 0: what an earlier run left in {run_dir / 'checkpoints'} "
+                    f"({', '.join(sorted(p.name for p in aside.iterdir()))}) is no state to resume from (best.pt holds "
+                    f"the weights alone): moved to {aside} (kept)")
+    elif aside is not None:
         log.warning(f"this run goes on from optimizer step {step}, and {run_dir / 'checkpoints'} held checkpoints of "
                     f"later steps (another branch, or unreadable): moved to {aside} (kept; they no longer count "
                     "for rotation or resume=auto)")

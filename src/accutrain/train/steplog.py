@@ -34,6 +34,7 @@ class Settled:
     overflow: bool = False  # inf/NaN in the unscaled gradients: the GradScaler skips the step
     scale: Optional[float] = None  # the GradScaler's scale for the next window
     window_s: float = 0.0  # the previous window's time, averaged over the ranks (for stopping.WindowWatch)
+    clock_s: float = 0.0  # the time since the last checkpoint, averaged over the ranks (train/checkpoint_clock.py)
     measured: dict[str, float] = field(default_factory=dict)  # the loss's own figures of the window (loss.figures)
 
 

@@ -28,11 +28,11 @@ log = logging.getLogger("accutrain")
 
 
 def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optional[float], loss_sum: torch.Tensor,
-           stop: StopRequest, window_s: float = 0.0) -> Settled:
+           stop: StopRequest, window_s: float = 0.0, clock_s: float = 0.0) -> Settled:
     """Once per window, on the device: AMP's unscale, overflow check and scale update (what GradScaler.step and
     update do, without step's wait: precision.found_inf_and_update), the global norm (clipped if asked), and with
     several ranks one all-reduce of the loss, the stop votes and the previous window's time (`window_s`, averaged,
-    for stopping.WindowWatch); then the
+    for stopping.WindowWatch) and the time since the last checkpoint (`clock_s`, averaged: checkpoint_clock); then the
     host reads it all as one small tensor (`loss_sum`, this rank's summed loss, and the loss's own figures of the
     window included) — the step's only synchronisation."""
     device, scaler = parts.device, parts.precision.scaler
@@ -43,7 +43,8 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
         found_inf, next_scale = found_inf_and_update(scaler, parts.optimizer)
         local.update(found_inf=found_inf.to(device), scale=next_scale.to(device))
     measured = parts.loss.figures()  # the loss's own figures of the window (every rank's already)
-    host = {"stop": float(stop.signum is not None), "window_s": window_s}  # this rank's stop vote and window time
+    host = {"stop": float(stop.signum is not None), "window_s": window_s,  # this rank's stop vote and window time,
+            "clock_s": clock_s}  # and its time since the last checkpoint
     summed = {"loss_sum": loss_sum.reshape(()).double()}
     if parts.world.size > 1:  # every rank's loss, stop vote and window time, summed
         votes = torch.tensor(list(host.values()), dtype=torch.float64)
@@ -57,7 +58,7 @@ def settle(parts: Components, params: list[torch.nn.Parameter], grad_clip: Optio
     values.update(host)
     return Settled(loss_sum=values["loss_sum"], norm=values["norm"], stop=values["stop"] > 0,
                    overflow=values.get("found_inf", 0.0) > 0, scale=values.get("scale"),
-                   window_s=values["window_s"] / parts.world.size,
+                   window_s=values["window_s"] / parts.world.size, clock_s=values["clock_s"] / parts.world.size,
                    measured={k: values[f"measured.{k}"] for k in measured})
 
 
