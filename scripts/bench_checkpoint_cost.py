@@ -1,5 +1,5 @@
 """What the default checkpointing (trainer.checkpoint_minutes: every 10 minutes and at every epoch end) costs a
-job: one checkpoint write of its state, through the real call (run/session.Checkpoints: the state gathered, checked
+job: one checkpoint write of its state, through the real call (runtime/checkpoints.Checkpoints: the state gathered, checked
 finite, written atomically and fsynced, last.pt linked, the rotation pruned), timed `--writes` times; and what that
 adds to the job's length, one write per epoch and per 10 minutes of training.
 
@@ -19,7 +19,7 @@ import torch
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
 from accutrain.dist import World
-from accutrain.runtime.session import Checkpoints
+from accutrain.runtime.checkpoints import Checkpoints
 from accutrain.store import mark
 from accutrain.store.progress import Progress
 from accutrain.trackers import Trackers

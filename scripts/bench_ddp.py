@@ -28,7 +28,7 @@ from accutrain import dist
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
 from accutrain.store.progress import Progress
-from accutrain.runtime.launch import spawn
+from accutrain.runtime.workers import spawn
 from accutrain.signals import StopRequest
 from accutrain.train.build import build
 from accutrain.train.loop import fit

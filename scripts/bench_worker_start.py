@@ -23,8 +23,8 @@ RUN = ["devices=2", "micro_batch=8", "accum=2", "trainer.max_steps=2", "trainer.
        "model.hidden=[16]", "data=synthetic", "data.size=64", "data.val_size=16", "data.image_size=8",
        "data.channels=1"]
 # The accutrain command, with the workers' start method forced for the comparison.
-DRIVER = ("import sys, accutrain.runtime.launch as launch; method = sys.argv.pop(1); "
-          "launch.start_method = (lambda: method) if method == 'spawn' else launch.start_method; "
+DRIVER = ("import sys, accutrain.runtime.workers as workers; method = sys.argv.pop(1); "
+          "workers.start_method = (lambda: method) if method == 'spawn' else workers.start_method; "
           "from accutrain.cli.main import main; sys.argv[0] = 'accutrain'; main()")
 
 

@@ -81,7 +81,7 @@ def hand_written(model, samples: list[dict], top_k: int) -> torch.Tensor:
     for s in samples:
         _, aux = model(aux=("router_logits",), input_ids=s["input_ids"][None])
         per_layer.append(list(aux["router_logits"]))
-    layers, experts = len(per_layer[0]), per_layer[0][0].shape[-1]
+    experts = per_layer[0][0].shape[-1]
     chosen = torch.zeros(experts, dtype=torch.float64)
     summed = torch.zeros(experts, dtype=torch.float64)
     rows = 0

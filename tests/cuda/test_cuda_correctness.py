@@ -27,7 +27,7 @@ from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import norms
-from accutrain.runtime import launch
+from accutrain.runtime import launch, workers
 from accutrain.signals import StopRequest
 from accutrain.train import auto_batch
 from accutrain.train import build as build_module
@@ -433,8 +433,8 @@ def test_a_spawned_worker_sets_tf32_in_its_own_process(monkeypatch):
         monkeypatch.setenv(key, "")  # the worker sets them: restored afterwards
     threads, before = torch.get_num_threads(), tf32_settings()
     results = queue.SimpleQueue()
-    job = launch._Job(1, 0, queue.SimpleQueue(), results, None, threads, lambda world: tf32_settings(), tf32=False)
-    launch._worker(0, job)
+    job = workers._Job(1, 0, queue.SimpleQueue(), results, None, threads, lambda world: tf32_settings(), tf32=False)
+    workers._worker(0, job)
     assert results.get() == tf32_as(False) and tf32_settings() == before
 
 

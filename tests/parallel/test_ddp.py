@@ -140,7 +140,7 @@ def test_workers_start_from_the_fork_server_with_the_environment_of_the_moment(m
     when it started them (as a spawned one would), not the server's from when it started."""
     import multiprocessing
 
-    from accutrain.runtime.launch import spawn, start_method
+    from accutrain.runtime.workers import spawn, start_method
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         assert start_method() == "forkserver"

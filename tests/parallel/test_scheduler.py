@@ -136,7 +136,6 @@ def test_a_submitit_job_of_two_tasks_is_one_world(tmp_path):
     args = [*UNEVEN, "micro_batch=8", "accum=2"]
     sweep = tmp_path / "sweep"
     env = {**os.environ, **ONE_THREAD}
-    start = time.monotonic()
     proc = subprocess.run([*cli_command(), "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
                            "hydra.launcher.timeout_min=10", *args, "seed=0", f"hydra.sweep.dir={sweep}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=COMMAND_S)
