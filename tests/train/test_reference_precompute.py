@@ -1,6 +1,6 @@
 """loss.reference=precompute (issue 50): the reference log-probabilities taken in one pass before training and kept in
 run_dir/reference.pt give the LoRA reference's step; a run killed with SIGKILL resumes bit-identically reading the file
-back (not taking it again); a resume on changed data is refused in one line."""
+back (not taking it again); a resume on changed data, or on another base, is refused in one line."""
 import json
 import os
 import random
@@ -15,9 +15,11 @@ peft = pytest.importorskip("peft")
 
 from accutrain.core.batches import BatchFormat  # noqa: E402
 from accutrain.core.losses.dpo import dpo  # noqa: E402
-from accutrain.core.losses.precomputed import Splits  # noqa: E402
+from accutrain.core.losses.precomputed import Splits, prepare_table  # noqa: E402
 from accutrain.core.step import FP32  # noqa: E402
 from accutrain.data.text import text_data  # noqa: E402
+from accutrain.errors import UserError  # noqa: E402
+from accutrain.store.checkpoint import save_atomic  # noqa: E402
 
 WORDS = "the cat sat on a mat and dog ran far away big small red blue".split()
 LLAMA = ["model=hf_causal_lm", "+model.config.model_type=llama", "+model.config.hidden_size=32",
@@ -106,3 +108,26 @@ def test_a_resume_on_changed_data_is_refused_in_one_line(tmp_path):
     assert_one_line_error(proc, "reference.pt holds the reference log-probabilities of another training split",
                           "14 samples", "the data changed since")
     assert (first / "reference.pt").read_bytes() == before
+
+
+def test_the_file_is_read_back_and_refused_for_another_base(tmp_path):
+    path = records(tmp_path / "pairs.jsonl", 6, 0)
+    data = text_data(str(path), str(path), 0.1, "bytes", 64, False, "longest", "text", "prompt", "response", "label", 0)
+    calls = []
+
+    def logps(batch):
+        calls.append(len(batch))
+        return [({k: batch.inputs[f"{r}.{k}"] for k in ("input_ids", "attention_mask")}, batch.inputs[f"{r}.labels"],
+                 torch.arange(float(len(batch)))) for r in ("chosen", "rejected")]
+
+    def splits(base):
+        return Splits(train=data.train, collate=BatchFormat(data.collate), rows=2, held_out=(), directory=tmp_path,
+                      base=base, save=save_atomic)
+
+    taken, _ = prepare_table(splits("a"), logps, "dpo", torch.device("cpu"))
+    assert calls and (tmp_path / "reference.pt").is_file()
+    calls.clear()
+    again, lines = prepare_table(splits("a"), logps, "dpo", torch.device("cpu"))
+    assert not calls and "read back from" in lines[0] and again.values == taken.values
+    with pytest.raises(UserError, match="another base \\(weights a; this run's: b\\)"):
+        prepare_table(splits("b"), logps, "dpo", torch.device("cpu"))
