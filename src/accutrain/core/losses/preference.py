@@ -58,6 +58,8 @@ class PreferenceLoss:
         """The reference policy's summed log-probabilities of the sequences `inputs` (role's), without gradient."""
         if self.table is not None:
             return self.table.logps(inputs, labels)
+        if self.precompute and self.ref is None:  # before prepare(): micro_batch=auto's trial steps, at the weights
+            self.ref = Reference(model, live=True)  # as built (the reference itself); prepare() drops it
         if self.ref is None:
             raise UserError(f"loss={self.name}: the reference model was not made (the loss was not attached to the "
                             "model before training)")
@@ -136,6 +138,7 @@ class PreferenceLoss:
             return found
 
         self.table, lines = prepare_table(splits, logps, self.name, device)
+        self.ref = None
         return lines
 
     def figures(self) -> dict[str, torch.Tensor]:
