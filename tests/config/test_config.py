@@ -65,7 +65,7 @@ def test_unknown_keys_and_wrong_types_are_refused_by_name(compose, override, fra
     (["data=imagefolder"], "data.root must be set"),
     (["micro_batch=10000000000000000000000"], "expected a positive integer or auto, at most 9223372036854775807"),
     (["trainer.max_steps=10000000000000000000000"], "trainer.max_steps=10000000000000000000000 is not valid"),
-    (["resume=auto", "trainer.overwrite=true"], "trainer.overwrite=true deletes the run directory's earlier run"),
+    (["resume=auto", "trainer.overwrite=true"], "resume=auto cannot be combined with trainer.overwrite=true"),
 ])
 def test_values_a_type_cannot_check(compose, overrides, message):
     with pytest.raises(UserError) as info:

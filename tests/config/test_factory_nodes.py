@@ -98,7 +98,7 @@ def test_old_spellings_are_rewritten_with_one_notice_each(compose):
     ("loader.num_workers=-1", "loader.num_workers=-1 is not valid"),
     ("loader.num_workers=many", "loader.num_workers=many is not valid"),
     ("batchnorm.groups=0", "batchnorm.groups=0 is not valid"),
-    ("scaling.lr=linear", "scaling.lr=linear needs scaling.base_batch"),
+    ("scaling.lr=linear", "scaling.lr=linear cannot be combined with scaling.base_batch=null: it needs scaling.base_batch"),
 ])
 def test_the_new_nodes_values_are_checked(compose, override, fragment):
     with pytest.raises(UserError, match=fragment):

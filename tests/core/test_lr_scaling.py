@@ -41,8 +41,8 @@ def test_every_optimizer_defaults_to_no_scaling(compose, optim):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["scaling.lr=linear"], "scaling.lr=linear needs scaling.base_batch"),
-    (["scaling.lr=sqrt"], "scaling.lr=sqrt needs scaling.base_batch"),
+    (["scaling.lr=linear"], "scaling.lr=linear cannot be combined with scaling.base_batch=null: it needs scaling.base_batch"),
+    (["scaling.lr=sqrt"], "scaling.lr=sqrt cannot be combined with scaling.base_batch=null: it needs scaling.base_batch"),
     (["scaling.base_batch=0"], "scaling.base_batch=0 is not valid"),
 ])
 def test_scaling_needs_a_positive_base_batch(compose, overrides, message):
@@ -66,7 +66,7 @@ def test_a_run_scales_its_learning_rate_and_logs_it(tmp_path):
 
     with pytest.raises(UserError) as info:
         train_here(tmp_path, "missing", *TINY, "scaling.lr=sqrt")
-    assert_one_line_user_error(info.value, "scaling.lr=sqrt needs scaling.base_batch")
+    assert_one_line_user_error(info.value, "scaling.lr=sqrt cannot be combined with scaling.base_batch=null: it needs scaling.base_batch")
 
 
 # --- scaling.beta2 and scaling.ema ------------------------------------------------------------------------------
@@ -107,11 +107,11 @@ def test_the_ema_decay_is_raised_to_the_windows_power():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["scaling.beta2=half_life"], "scaling.beta2=half_life needs scaling.base_batch"),
+    (["scaling.beta2=half_life"], "scaling.beta2=half_life cannot be combined with scaling.base_batch=null: it needs scaling.base_batch"),
     (["scaling.beta2=half_life", "scaling.base_batch=32"],
-     "scaling.beta2=half_life scales Adam's β2, and optim._target_=accutrain.models.optim.sgd has no betas"),
-    (["scaling.ema=true", "scaling.base_batch=32"], "scaling.ema=true scales the decay of trainer.ema, which is off"),
-    (["scaling.ema=true", "trainer.ema=0.99"], "scaling.ema=true needs scaling.base_batch"),
+     "scaling.beta2=half_life cannot be combined with optim._target_=accutrain.models.optim.sgd: it scales Adam's β2, and this optimizer has no betas"),
+    (["scaling.ema=true", "scaling.base_batch=32"], "scaling.ema=true cannot be combined with trainer.ema=null: it scales the decay of trainer.ema, which is off"),
+    (["scaling.ema=true", "trainer.ema=0.99"], "scaling.ema=true cannot be combined with scaling.base_batch=null: it needs scaling.base_batch"),
 ])
 def test_beta2_and_ema_scaling_refuse_what_they_cannot_scale(compose, overrides, message):
     with pytest.raises(UserError) as info:

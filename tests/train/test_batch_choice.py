@@ -72,7 +72,7 @@ def test_the_noise_scale_of_one_rank_equals_that_of_two_on_the_same_micro_batche
 def test_noise_scale_with_nothing_to_compare_is_one_line(tmp_path):
     run_dir, proc = train_run(tmp_path, "run", *TINY, "micro_batch=8", "trainer.noise_scale=true", check=False)
     assert proc.returncode == 2
-    assert_one_line_error(proc, "trainer.noise_scale=true compares each micro-batch's gradient with the window's",
+    assert_one_line_error(proc, "trainer.noise_scale=true cannot be combined with accum=1 on one device: the noise scale compares each micro-batch's gradient with the window's",
                           "accum=1 on one device")
     assert not (run_dir / "metrics.jsonl").exists()
 
@@ -96,7 +96,8 @@ def test_noise_scale_with_accum_1_in_a_launched_world_is_not_refused(compose, mo
     validate(compose(*TINY, "trainer.noise_scale=true", "micro_batch=32"))
 
 
-def test_noise_scale_of_an_element_level_loss_is_refused_by_the_build(tmp_path):
-    with pytest.raises(UserError) as info:
+def test_noise_scale_of_an_element_level_loss_is_refused_before_the_run(tmp_path):
+    with pytest.raises(UserError) as info:  # the refusal table: known from the config, before the run directory
         train_here(tmp_path, "run", *TINY, "accum=2", "loss.normalize=elements", "trainer.noise_scale=true")
-    assert_one_line_user_error(info.value, "trainer.noise_scale=true measures gradients per sample")
+    assert_one_line_user_error(info.value, "loss=cross_entropy cannot be combined with trainer.noise_scale=true",
+                               "measures gradients per sample")

@@ -225,7 +225,7 @@ class Net(nn.Module):  # BatchNorm1d: one sample per micro-batch cannot train
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["micro_batch=auto"], "micro_batch=auto needs global_batch"),
+    (["micro_batch=auto"], "micro_batch=auto cannot be combined with global_batch=null"),
     (["micro_batch=auto", "global_batch=32", "accum=2"], "drop accum=2"),
     (["micro_batch=auto", "global_batch=32"], "needs trainer.memory_budget_mb"),
     (["micro_batch=auto", "global_batch=32", "trainer.memory_budget_mb=1"], "not even a micro-batch of 1 fits"),

@@ -91,7 +91,7 @@ def test_micro_tokens_ends_with_the_weights_of_micro_batch_runs_of_the_same_wind
 
 @pytest.mark.parametrize("overrides, message", [
     (["micro_tokens=0"], "micro_tokens=0 is not valid"),
-    (["micro_tokens=64", "micro_batch=auto", "global_batch=8"], "micro_tokens=64 cuts each window by a token budget"),
+    (["micro_tokens=64", "micro_batch=auto", "global_batch=8"], "micro_tokens=64 cannot be combined with micro_batch=auto: micro_tokens cuts each window by a token budget"),
     (["micro_tokens=64", "global_batch=9", "devices=2"], "global_batch=9 is not a multiple of devices 2"),
     (["micro_tokens=64", "global_batch=8", "accum=2"], "drop accum=2"),
 ])

@@ -290,7 +290,8 @@ def test_ddp_around_the_compiled_model_still_reduces_once_per_step(tmp_path, com
 
 @pytest.mark.parametrize("overrides, fragments", [
     (["trainer.compile_mode=fastest"], ["trainer.compile_mode=fastest", "max-autotune"]),
-    (["trainer.compile_mode=max-autotune"], ["does nothing without trainer.compile=true"]),
+    (["trainer.compile_mode=max-autotune"], ["trainer.compile_mode=max-autotune cannot be combined with "
+                                             "trainer.compile=false", "does nothing without trainer.compile=true"]),
     (["trainer.compile=true", "trainer.compile_backend=nope"], ["trainer.compile_backend=nope", "inductor"]),
     ([*AOT, "trainer.compile_mode=max-autotune"], ["inductor backend"]),
     ([*AOT, "strategy=fsdp", "devices=2"], ["strategy=fsdp cannot be combined with trainer.compile=true"]),

@@ -7,6 +7,7 @@ every family with the trait — a window-level loss, one that caches the window,
 family's own refusals come from its spec. A new family adds nothing here."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,6 +16,9 @@ from accutrain.config.train import TrainConfig
 from accutrain.config import families, model_traits
 from accutrain.core.losses.spec import Refusal as Row
 from accutrain.core.losses.spec import Traits
+from accutrain.core.options import Beta2Scaling, LRScaling
+from accutrain.config.trait_refusals import TRAIT_ROWS, trait_rows
+from accutrain.core.plan import derive_accum
 from accutrain.errors import UserError
 
 Test = Callable[[TrainConfig, Traits], bool]
@@ -24,18 +28,10 @@ Test = Callable[[TrainConfig, Traits], bool]
 class Entry:
     """An option (`key`, as a user types it) and the combinations it refuses."""
 
-    key: str | Callable[[TrainConfig], str]  # a callable names it from the run (the run's loss)
-    chosen: Test
+    key: str | Callable[[TrainConfig], str]  # a callable names it with the run's value (the run's loss)
+    chosen: Callable[[TrainConfig], bool]
     rows: tuple[Row, ...] | Callable[[TrainConfig], tuple[Row, ...]]
-
-
-def effective_batch(c: TrainConfig) -> int | None:
-    """micro_batch × accum × devices (or global_batch) where the config alone decides it."""
-    if c.global_batch is not None:
-        return c.global_batch
-    if isinstance(c.micro_batch, int) and isinstance(c.devices, int) and c.batch_schedule is None:
-        return c.micro_batch * (c.accum or 1) * c.devices
-    return None
+    label: str = ""  # the option's key, where `key` is a callable (the tests name the rows by it)
 
 
 def lora(c: TrainConfig, key: str) -> Any:
@@ -50,43 +46,72 @@ def random_views(c: TrainConfig) -> bool:
     return a.crop.name != "none" or a.flip in (True, "auto") or a.policy is not None or a.random_erasing > 0
 
 
-def trait_rows(c: TrainConfig) -> tuple[Row, ...]:
-    """The run's loss family's own refusals (its spec; none for a plug-in), then the rows every family with a trait
-    refuses."""
-    family = families.family_of(c.loss)
-    return (family.refusals if family is not None else ()) + TRAIT_ROWS
+BASE_BATCH = "it needs scaling.base_batch, the effective batch {} was tuned for (e.g. scaling.base_batch=32)"
+SCHEDULED = ("the schedule sets the effective batch of every window (accum follows from it and micro_batch × "
+             "devices): drop it")
+TOKEN_BUDGET = ("micro_tokens cuts each window by a token budget and {} sizes micro-batches by samples: use one of "
+                "them (micro_tokens with global_batch=N, or micro_batch × accum)")
+NOISE_SCALE_NEEDS_TWO = ("the noise scale compares each micro-batch's gradient with the window's, the same with one "
+                         "micro-batch per window: set accum ≥ 2 (or devices ≥ 2) or trainer.noise_scale=false")
 
 
-TRAIT_ROWS: tuple[Row, ...] = (
-    Row(lambda c, t: t.whole_window and c.strategy.name == "fsdp", "strategy=fsdp", "a loss over the whole window is "
-        "not verified with FSDP's sharded forwards and backwards; use strategy=ddp"),
-    Row(lambda c, t: t.whole_window and c.trainer.noise_scale, "trainer.noise_scale=true", "a micro-batch's gradient "
-        "of a window-level loss is not an estimate of the window's (its loss depends on the whole window): set "
-        "trainer.noise_scale=false"),
-    Row(lambda c, t: t.caches_window and c.micro_batch == "auto", "micro_batch=auto", "its memory grows with the "
-        "window (it keeps every sample's embeddings between two passes), which a micro-batch's trial step does not "
-        "measure: give micro_batch=N (or micro_tokens=N for text pairs)"),
-    Row(lambda c, t: t.caches_window and c.micro_tokens == "auto", "micro_tokens=auto", "its memory grows with the "
-        "window (it keeps every sample's embeddings between two passes), which a trial step does not measure: give "
-        "micro_tokens=N"),
-    Row(lambda c, t: t.caches_window and (c.trainer.accum_dtype is not None or c.trainer.offload_grads),
-        "trainer.accum_dtype / trainer.offload_grads", "its second pass backpropagates the window's cached gradient "
-        "through each micro-batch, outside the gradient buffers' accounting: leave them unset"),
-    Row(lambda c, t: t.pairs and (c.augment.mixup_alpha > 0 or c.augment.cutmix_alpha > 0),
-        "augment.mixup_alpha / cutmix_alpha", "set them to 0: pairs are not mixed"),
-    Row(lambda c, t: t.pairs and c.data.get("padding") == "free", "data.padding=free", "a pair embeds each of its "
-        "texts in a row of its own; use data.padding=longest"),
-    Row(lambda c, t: (effective_batch(c) or t.min_window) < t.min_window,
-        lambda c: f"an effective batch of {effective_batch(c)}", lambda c, t: f"every window must hold the "
-        f"{t.min_window} samples the loss needs at least (a window of one pair has no negative: its loss is 0 "
-        f"whatever the weights); give global_batch=N, N ≥ {t.min_window}"),
-    Row(lambda c, t: c.trainer.noise_scale and families.counts_elements(
-        c.loss, t, model_traits.loss_defaults(c.model).get("normalize") == "tokens"), "trainer.noise_scale=true",
-        "the noise scale measures gradients per sample, and this loss averages over elements (tokens): set "
-        "loss.normalize=samples or trainer.noise_scale=false"),
-)
+def one_micro_batch(c: TrainConfig) -> bool:
+    """A window of one micro-batch on one process, where the config alone decides it (a torchrun or SLURM world's
+    devices=1 is its default, not its size: the build checks the real world)."""
+    return (c.devices == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1 and isinstance(c.micro_batch, int)
+            and c.batch_schedule is None and c.micro_tokens is None
+            and derive_accum(c.micro_batch, 1, c.accum, c.global_batch) == 1)
+
 
 TABLE: tuple[Entry, ...] = (
+    Entry(lambda c: f"resume={c.resume}", lambda c: c.resume is not None, label="resume", rows=(
+        Row(lambda c, t: c.trainer.overwrite, "trainer.overwrite=true", "resume continues the run directory's earlier "
+            "run and trainer.overwrite=true deletes the run directory's earlier run: choose one"),
+    )),
+    Entry("batch_schedule", lambda c: c.batch_schedule is not None, (
+        Row(lambda c, t: c.accum is not None, lambda c: f"accum={c.accum}", SCHEDULED),
+        Row(lambda c, t: c.global_batch is not None, lambda c: f"global_batch={c.global_batch}", SCHEDULED),
+    )),
+    Entry(lambda c: f"micro_tokens={c.micro_tokens}", lambda c: c.micro_tokens is not None, label="micro_tokens", rows=(
+        Row(lambda c, t: c.micro_batch == "auto", "micro_batch=auto", TOKEN_BUDGET.format("micro_batch=auto")),
+        Row(lambda c, t: c.batch_schedule is not None, "batch_schedule", TOKEN_BUDGET.format("batch_schedule")),
+    )),
+    Entry("micro_batch=auto", lambda c: c.micro_batch == "auto", (
+        Row(lambda c, t: c.global_batch is None and c.batch_schedule is None, "global_batch=null", "it keeps the "
+            "effective batch while it finds the largest micro-batch that fits: give global_batch=N"),
+        Row(lambda c, t: c.accum is not None, lambda c: f"accum={c.accum}", "micro_batch=auto derives accum from "
+            "global_batch: drop accum"),
+    )),
+    Entry(lambda c: f"scaling.lr={c.scaling.lr.name}", lambda c: c.scaling.lr is not LRScaling.none, label="scaling.lr",
+          rows=(
+        Row(lambda c, t: c.scaling.base_batch is None, "scaling.base_batch=null", BASE_BATCH.format("optim.lr")),
+    )),
+    Entry(lambda c: f"scaling.beta2={c.scaling.beta2.name}", lambda c: c.scaling.beta2 is not Beta2Scaling.none,
+          label="scaling.beta2", rows=(
+        Row(lambda c, t: c.scaling.base_batch is None, "scaling.base_batch=null", BASE_BATCH.format("optim.betas")),
+        Row(lambda c, t: "betas" not in c.optim, lambda c: f"optim._target_={c.optim.target}", "it scales Adam's β2, "
+            "and this optimizer has no betas: use optim=adamw (an Adam of your own: give +optim.betas=[0.9,0.999]) "
+            "or scaling.beta2=none"),
+    )),
+    Entry("scaling.ema=true", lambda c: c.scaling.ema, (
+        Row(lambda c, t: c.trainer.ema is None, "trainer.ema=null", "it scales the decay of trainer.ema, which is "
+            "off: set trainer.ema (e.g. trainer.ema=0.999) or scaling.ema=false"),
+        Row(lambda c, t: c.scaling.base_batch is None, "scaling.base_batch=null", BASE_BATCH.format("trainer.ema")),
+    )),
+    Entry(lambda c: f"trainer.monitor={c.trainer.monitor}", lambda c: c.trainer.monitor.endswith("_ema"),
+          label="trainer.monitor", rows=(
+        Row(lambda c, t: c.trainer.ema is None, "trainer.ema=null", lambda c, t: "it is never measured without an "
+            f"average of the weights: set trainer.ema (e.g. trainer.ema=0.999) or monitor "
+            f"{c.trainer.monitor.removesuffix('_ema')}"),
+    )),
+    Entry("trainer.noise_scale=true", lambda c: c.trainer.noise_scale, (
+        Row(lambda c, t: one_micro_batch(c), "accum=1 on one device", NOISE_SCALE_NEEDS_TWO),
+    )),
+    Entry(lambda c: f"trainer.compile_mode={c.trainer.compile_mode}", lambda c: c.trainer.compile_mode is not None,
+          label="trainer.compile_mode", rows=(
+        Row(lambda c, t: not c.trainer.compile, "trainer.compile=false", "a mode of torch.compile does nothing "
+            "without trainer.compile=true"),
+    )),
     Entry(lambda c: families.option(c.loss), lambda c: True, trait_rows),
     Entry("augment.views=2", lambda c: c.augment.views == 2, (
         Row(lambda c, t: not t.pairs, lambda c: families.option(c.loss), "pairs of views are for a loss whose samples "
@@ -169,7 +194,8 @@ TABLE: tuple[Entry, ...] = (
         Row(lambda c, t: c.trainer.device == "cpu", "trainer.device=cpu", "QLoRA needs a CUDA GPU and bitsandbytes: "
             "drop model.quantize to train LoRA on the unquantized weights"),
     )),
-    Entry(lambda c: f"trainer.export={c.trainer.export}", lambda c: c.trainer.export in ("hf", "merged"), (
+    Entry(lambda c: f"trainer.export={c.trainer.export}", lambda c: c.trainer.export in ("hf", "merged"),
+          label="trainer.export", rows=(
         Row(lambda c, t: model_traits.pretrained_format(c.model) is False, lambda c: f"model._target_={c.model.target}",
             "it needs a Hugging Face model (model=hf_causal_lm, hf_seq_cls or hf_encoder); trainer.export=weights "
             "saves any model's weights"),
@@ -202,5 +228,5 @@ def rows() -> list[tuple[str, Row]]:
     own = [(f"loss={f.name}", row) for f in families.families() for row in f.refusals]
     for entry in TABLE:
         if callable(entry.key) and not callable(entry.rows):
-            fixed += [("trainer.export", row) for row in entry.rows]
+            fixed += [(entry.label, row) for row in entry.rows]
     return [("the run's loss", row) for row in TRAIT_ROWS] + own + fixed

@@ -16,7 +16,7 @@ from torch.utils.data import Subset
 from accutrain import dist
 from accutrain.config.targets import instantiate, run_arguments
 from accutrain.config.train import TrainConfig, TrainerConfig
-from accutrain.config.validate import NOISE_SCALE_NEEDS_TWO
+from accutrain.config.refusals import NOISE_SCALE_NEEDS_TWO
 from accutrain.core import compiled, lr_scaling
 from accutrain.core.grad_buffers import grad_buffer_spec
 from accutrain.core.mixing import make_mixer
@@ -187,6 +187,6 @@ def make_noise_scale(trainer: TrainerConfig, model: nn.Module, world: World, dev
     if not trainer.noise_scale:
         return None
     if plan.schedule is None and plan.accum == 1 and world.size == 1:
-        raise UserError(NOISE_SCALE_NEEDS_TWO)
+        raise UserError(f"trainer.noise_scale=true cannot be combined with accum=1 on one device: {NOISE_SCALE_NEEDS_TWO}")
     params = [p for p in model.parameters() if p.requires_grad]
     return NoiseScale(params, world, device, trainer.noise_scale_decay, lambda: scale_in_use(precision.scaler))
