@@ -7,8 +7,15 @@ import random
 
 import pytest
 import torch
-from conftest import (assert_identical, assert_one_line_error, final_weights, killed_at_step, read_metrics,
-                      train_here, train_run)
+from conftest import (
+    assert_identical,
+    assert_one_line_error,
+    final_weights,
+    killed_at_step,
+    read_metrics,
+    train_here,
+    train_run,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -131,3 +138,6 @@ def test_the_file_is_read_back_and_refused_for_another_base(tmp_path):
     assert not calls and "read back from" in lines[0] and again.values == taken.values
     with pytest.raises(UserError, match="another base \\(weights a; this run's: b\\)"):
         prepare_table(splits("b"), logps, "dpo", torch.device("cpu"))
+    (tmp_path / "reference.pt").write_bytes(b"not a torch file")
+    with pytest.raises(UserError, match="cannot be read .*remove it"):
+        prepare_table(splits("a"), logps, "dpo", torch.device("cpu"))

@@ -24,8 +24,8 @@ from torch import nn
 from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
 from accutrain.core.gradcache import on
-from accutrain.core.losses.dpo_spec import reference_values
 from accutrain.core.losses.dpo_maths import REFERENCE_FREE, Pairs, odds_ratio_losses, pair_losses, rewards
+from accutrain.core.losses.dpo_spec import reference_values
 from accutrain.core.losses.logps import completion_tokens, role_inputs, sequence_logps, targets, weighted_logps
 from accutrain.core.losses.preference import PreferenceLoss, reduced
 from accutrain.core.precision import Precision

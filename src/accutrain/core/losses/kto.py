@@ -23,8 +23,8 @@ from torch import nn
 from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
 from accutrain.core.gradcache import on
-from accutrain.core.losses.kto_spec import PRECOMPUTE
 from accutrain.core.losses.kto_point import Point, mismatched_batch, reference_point, samples_of
+from accutrain.core.losses.kto_spec import PRECOMPUTE
 from accutrain.core.losses.logps import evaluating, role_inputs, sequence_logps, targets, weighted_logps
 from accutrain.core.losses.preference import PreferenceLoss, reduced
 from accutrain.core.precision import Precision

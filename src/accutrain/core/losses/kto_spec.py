@@ -49,5 +49,6 @@ FAMILIES = (
     Family(name="kto", target=KTO, schema=KTONode,
            traits=Traits(task="feedback", output="logits", terms="samples"),
            metrics=("val_loss", "val_kl", "val_rewards_desirable", "val_rewards_undesirable"),
-           higher_is_better=("val_rewards_desirable",), refusals=(NOT_FSDP, PRECOMPUTE), vary=window_point, values=kto_values),
+           higher_is_better=("val_rewards_desirable",), refusals=(NOT_FSDP, PRECOMPUTE), vary=window_point,
+           values=kto_values),
 )

@@ -96,7 +96,11 @@ def prepare_table(splits: Splits, logps: Logps, name: str, device: torch.device)
     data = data_fingerprint(splits.train)
     path = splits.directory / FILE if splits.directory is not None else None
     if path is not None and path.exists():
-        kept = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            kept = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # not one torch.save wrote whole (write_atomic never leaves a partial one)
+            raise UserError(f"{path} cannot be read ({type(e).__name__}): remove it, and the resume takes the "
+                            "reference log-probabilities again") from None
         refuse_changes(path, kept, data, splits.base)
         values = dict(zip(kept["keys"], kept["logps"].tolist()))
         return Table(values, str(path)), [f"loss={name}: the reference log-probabilities of {len(values)} sequences "
@@ -123,10 +127,10 @@ def refuse_changes(path: Path, kept: dict, data: dict[str, Any], base: str) -> N
     """One line when the training split or the base is not the one the file was taken on."""
     if kept.get("data") != data:
         was = kept.get("data") or {}
-        raise UserError(f"{path} holds the reference log-probabilities of another training split ({was.get('train_size')}"
-                        f" samples, tokens {was.get('tokens')}; this run's: {data['train_size']} samples, tokens "
-                        f"{data['tokens']}): the data changed since; resume with the data it was taken on, or start "
-                        "a new run")
+        raise UserError(f"{path} holds the reference log-probabilities of another training split "
+                        f"({was.get('train_size')} samples, tokens {was.get('tokens')}; this run's: "
+                        f"{data['train_size']} samples, tokens {data['tokens']}): the data changed since; resume with "
+                        "the data it was taken on, or start a new run")
     if kept.get("base") != base:
         raise UserError(f"{path} holds the reference log-probabilities of another base (weights {kept.get('base')}; "
                         f"this run's: {base}): the base changed since; resume with the base it was taken on, or start "
