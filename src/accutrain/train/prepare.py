@@ -21,7 +21,8 @@ def prepare_loss(parts: Components, run_dir: Optional[Path]) -> None:
     base = parts.base["fingerprint"] if parts.base else fingerprint(list(parts.model.state_dict().values()))
     splits = Splits(train=windows.dataset, collate=windows.format, rows=max(1, parts.plan.micro_batch or 1),
                     held_out=tuple(x for x in (parts.val_loader, parts.test_loader) if x is not None),
-                    directory=run_dir, base=base, save=save_atomic, world=parts.world.size, rank=parts.world.rank)
+                    directory=run_dir, base=base, save=save_atomic, world=parts.world.size, rank=parts.world.rank,
+                    stream=parts.plan.streamed)
     for line in parts.loss.prepare(parts.model, splits, parts.device, parts.precision):
         if parts.world.main:
             log.info(line)

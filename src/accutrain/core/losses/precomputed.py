@@ -38,6 +38,7 @@ class Splits:
     save: Callable[[dict, Path], None]
     world: int = 1
     rank: int = 0
+    stream: bool = False  # the training split is a stream, read as it trains (no pass before)
 
 
 def sequence_keys(inputs: Mapping[str, torch.Tensor], labels: torch.Tensor) -> list[str]:
@@ -93,6 +94,10 @@ def prepare_table(splits: Splits, logps: Logps, name: str, device: torch.device)
     """The table: read back from run_dir/reference.pt when it is there (refused when the data or the base changed
     since), else taken in one pass (each rank its share of the training split, then merged) and written atomically
     by rank 0. Returns it and the lines to log."""
+    if not hasattr(splits.train, "__len__") or splits.stream:
+        raise UserError(f"loss={name} with loss.reference=precompute takes one pass over the training split before "
+                        "training, and a stream (data.streaming=true) is read only as it trains: use "
+                        "loss.reference=model")
     data = data_fingerprint(splits.train)
     path = splits.directory / FILE if splits.directory is not None else None
     if path is not None and path.exists():
