@@ -15,7 +15,7 @@ measures beside its loss per window (`figures`) goes into each step's record, th
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -82,6 +82,10 @@ class Loss(Protocol):
 
     def attach(self, model: nn.Module) -> list[str]:
         """What the loss needs of the model (a learnt temperature becomes its parameter); the warnings to log."""
+
+    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
+        """What the loss takes of the data once before training, before the check and any resume (loss.reference=
+        precompute: core/losses/precomputed.py, `splits` a Splits); the lines to log ([] for none)."""
 
     def figures(self) -> dict[str, torch.Tensor]:
         """What the loss measured over the window it accumulated last, beside its loss (loss=moe: the router's load
@@ -156,6 +160,9 @@ class OnePass:
                             "weights; compute it from the model's output with torch operations")
 
     def attach(self, model: nn.Module) -> list[str]:
+        return []
+
+    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
         return []
 
     def figures(self) -> dict[str, torch.Tensor]:

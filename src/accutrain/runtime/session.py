@@ -28,6 +28,7 @@ from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
 from accutrain.train.memory import fold_peak
+from accutrain.train.prepare import prepare_loss
 from accutrain.train.metrics import MetricsLog, summary_lines
 from accutrain.train.resume import resume_point, start_branch
 from accutrain.train.testing import headline, run_test
@@ -49,6 +50,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
         log.info(f"run directory {run_dir} (train.log, metrics.jsonl, checkpoints/)")
     trackers = Trackers.build(cfg, run_dir) if world.main else Trackers()  # a missing library: one line, early
     parts = build(cfg, world, device, cache_dir=run_dir.parent)
+    prepare_loss(parts, run_dir)  # loss.reference=precompute: its pass, or its file read back (before any resume)
     if cfg.trainer.check and world.main:
         result = check.run_check(parts)
         for line in result.lines():
@@ -68,7 +70,6 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
         start_branch(run_dir, progress.step, resumed=resume_from is not None)
         write_atomic(run_dir / "config.yaml", to_yaml(cfg, parts.supplied))
         warn_if_disk_is_short(parts, save.rotation)
-    if world.main:
         trackers.start(cfg, parts.supplied, parts.plan, progress.step, resumed=cfg.resume is not None,
                        monitor=parts.monitor.metric)
     metrics = MetricsLog(run_dir / "metrics.jsonl" if world.main else None, trackers)

@@ -29,6 +29,7 @@ from accutrain.store.rng import rng_state, set_rng_state
 from accutrain.train.build import build
 from accutrain.train.check_report import Check, causes, cpu_copy
 from accutrain.train.components import Components
+from accutrain.train.prepare import prepare_loss
 
 
 def components_for_check(cfg: TrainConfig) -> Components:
@@ -41,7 +42,9 @@ def components_for_check(cfg: TrainConfig) -> Components:
     if cfg.micro_batch != "auto":
         micro_batch, accum = window_split(cfg.micro_batch, devices, cfg.accum, cfg.global_batch, cfg.micro_tokens)
         changes.update(micro_batch=micro_batch, accum=accum * devices, global_batch=None)
-    return build(seal(dataclasses.replace(cfg, **changes)), World(), device)
+    parts = build(seal(dataclasses.replace(cfg, **changes)), World(), device)
+    prepare_loss(parts, None)  # loss.reference=precompute: taken in memory
+    return parts
 
 
 def synced_devices(parts: Components) -> int:

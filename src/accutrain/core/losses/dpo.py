@@ -25,6 +25,7 @@ from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
 from accutrain.core.gradcache import on
 from accutrain.core.losses.dpo_maths import REFERENCE_FREE, Pairs, odds_ratio_losses, pair_losses, rewards
+from accutrain.core.losses.dpo_spec import reference_values
 from accutrain.core.losses.logps import completion_tokens, role_inputs, sequence_logps, targets, weighted_logps
 from accutrain.core.losses.preference import PreferenceLoss, reduced
 from accutrain.core.precision import Precision
@@ -175,21 +176,27 @@ class PairLoss(PreferenceLoss):
 
 
 def dpo(kind: str = "sigmoid", beta: float = 0.1, simpo_gamma: float = 0.5, nll_coef: float = 0.0,
-        ignore_index: int = -100, model_defaults: Optional[dict] = None) -> PairLoss:
+        reference: str = "model", ignore_index: int = -100, model_defaults: Optional[dict] = None) -> PairLoss:
     """loss=dpo's factory (`loss._target_`)."""
     if kind not in ("sigmoid", "ipo", "hinge", "simpo"):
         raise UserError(f"loss.kind={kind} is not valid: expected sigmoid (DPO), ipo, hinge or simpo")
     check_positive("loss.beta", beta)
     if nll_coef < 0:
         raise UserError(f"loss.nll_coef={nll_coef} is not valid: expected 0 (off) or a positive weight")
+    reference_values({"reference": reference})
+    if reference == "precompute" and kind in REFERENCE_FREE:
+        raise UserError(f"loss.reference=precompute: loss.kind={kind} is reference-free (nothing to precompute)")
     return PairLoss(ignore_index=ignore_index, kind=kind, beta=float(beta), gamma=float(simpo_gamma),
-                    nll_coef=float(nll_coef))
+                    nll_coef=float(nll_coef), precompute=reference == "precompute")
 
 
-def orpo(beta: float = 0.1, ignore_index: int = -100, model_defaults: Optional[dict] = None) -> PairLoss:
+def orpo(beta: float = 0.1, reference: str = "model", ignore_index: int = -100,
+         model_defaults: Optional[dict] = None) -> PairLoss:
     """loss=orpo's factory: the chosen tokens' NLL (over the window's chosen tokens) + λ (loss.beta) × the mean odds
     ratio loss; reference-free."""
     check_positive("loss.beta", beta)
+    if reference != "model":
+        raise UserError(f"loss.reference={reference} is not valid for loss=orpo: it is reference-free")
     loss = PairLoss(ignore_index=ignore_index, kind="orpo", beta=float(beta), nll_coef=1.0)
     loss.name = "orpo"
     return loss

@@ -24,6 +24,7 @@ from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
 from accutrain.core.gradcache import on
 from accutrain.core.losses.kto_point import Point, mismatched_batch, reference_point, samples_of
+from accutrain.core.losses.kto_spec import PRECOMPUTE
 from accutrain.core.losses.logps import evaluating, role_inputs, sequence_logps, targets, weighted_logps
 from accutrain.core.losses.preference import PreferenceLoss, reduced
 from accutrain.core.precision import Precision
@@ -190,7 +191,7 @@ class FeedbackLoss(PreferenceLoss):
 
 
 def kto(beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
-        reference_point: str = "window", seed: int = 0, ignore_index: int = -100,
+        reference_point: str = "window", seed: int = 0, reference: str = "model", ignore_index: int = -100,
         model_defaults: Optional[dict] = None) -> FeedbackLoss:
     """loss=kto's factory (`loss._target_`)."""
     if not beta > 0:
@@ -198,6 +199,8 @@ def kto(beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: fl
     for key, value in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
         if not value > 0:
             raise UserError(f"loss.{key}={value} is not valid: expected a positive weight")
+    if reference != "model":
+        raise UserError(f"loss.reference={reference} is not valid for loss=kto: {PRECOMPUTE.remedy}")
     if reference_point not in ("window", "micro_batch"):
         raise UserError(f"loss.reference_point={reference_point} is not valid: expected window (over the whole "
                         "window, exact) or micro_batch (per micro-batch, not the big batch's)")

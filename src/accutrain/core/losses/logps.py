@@ -8,7 +8,7 @@ gradient, exactly, whether the model hands the loss its full logits or (model.lo
 and head (core/chunked_ce.py: the logits a chunk of tokens at a time, never all at once)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
@@ -85,13 +85,14 @@ def adapted_model(model: nn.Module) -> Optional[nn.Module]:
 
 class Reference:
     """The reference policy π_ref: the base with its adapter disabled (model.adapter=lora: no second copy), or a
-    frozen copy of the model taken before the first step. `logps(model, inputs, labels, cast)` are its sequences'
-    log-probabilities, without gradient, in eval mode."""
+    frozen copy of the model taken before the first step — or (`live`: loss.reference=precompute's pass, before the
+    first step) the model itself. `logps(model, inputs, labels, cast)` are its sequences' log-probabilities, without
+    gradient, in eval mode."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, live: bool = False) -> None:
         self.adapter = adapted_model(model)
         self.copy: Optional[nn.Module] = None
-        if self.adapter is None:
+        if self.adapter is None and not live:
             import copy
 
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
@@ -117,6 +118,6 @@ class Reference:
             with autocast():
                 output = self.copy(**{k: cast(v) for k, v in inputs.items()})
             return sequence_logps(output, target, ignore_index)
-        with evaluating(bare), self.adapter.disable_adapter(), autocast():
+        with evaluating(bare), self.adapter.disable_adapter() if self.adapter else nullcontext(), autocast():
             output = bare(**{k: cast(v) for k, v in inputs.items()})
         return sequence_logps(output, target, ignore_index)

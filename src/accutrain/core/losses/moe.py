@@ -202,6 +202,9 @@ class RouterBalancedLoss:
             return [NOT_THE_BIG_BATCH.format(self.router_aux.value)]
         return []
 
+    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
+        return []
+
     def check(self, model: nn.Module, batch: Batch, data: str) -> None:
         """The targets and the cross-entropy's gradient (as loss=cross_entropy checks them), then the router: the
         model routes, returns its router logits, and (window, micro_batch) its own balancing loss is the formula

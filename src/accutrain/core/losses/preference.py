@@ -14,6 +14,7 @@ from torch import nn
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.gradcache import on
 from accutrain.core.losses.logps import Reference, role_inputs
+from accutrain.core.losses.precomputed import Splits, Table, prepare_table
 from accutrain.core.precision import Precision
 from accutrain.errors import UserError
 
@@ -33,6 +34,8 @@ class PreferenceLoss:
 
     ignore_index: int = -100
     ref: Optional[Reference] = field(default=None, repr=False)  # made by attach(): the base, or a frozen copy
+    precompute: bool = False  # loss.reference=precompute: π_ref's log-probabilities taken before training (prepare)
+    table: Optional[Table] = field(default=None, repr=False)  # … and kept here (core/losses/precomputed.py)
     name = "preference"
     elements = False
     tokens = False
@@ -53,6 +56,10 @@ class PreferenceLoss:
     def reference_logps(self, model: nn.Module, batch: Batch, role: str, inputs: dict[str, torch.Tensor],
                         labels: torch.Tensor, precision: Precision) -> torch.Tensor:
         """The reference policy's summed log-probabilities of the sequences `inputs` (role's), without gradient."""
+        if self.table is not None:
+            return self.table.logps(inputs, labels)
+        if self.precompute and self.ref is None:  # before prepare(): micro_batch=auto's trial steps, at the weights
+            self.ref = Reference(model, live=True)  # as built (the reference itself); prepare() drops it
         if self.ref is None:
             raise UserError(f"loss={self.name}: the reference model was not made (the loss was not attached to the "
                             "model before training)")
@@ -106,13 +113,33 @@ class PreferenceLoss:
 
     def attach(self, model: nn.Module) -> list[str]:
         """The reference policy: the base with its adapter disabled (model.adapter=lora), else a frozen copy."""
-        if self.reference_free:
+        if self.reference_free or self.precompute:  # precompute: prepare() takes it from the model as built
             return []
         self.ref = Reference(model)
         if self.ref.copy is not None:
             return [f"loss={self.name}: the reference policy is {self.ref.describe()}; with model.adapter=lora it is "
                     "the base with the adapter disabled, no copy"]
         return []
+
+    def prepare(self, model: nn.Module, splits: Splits, device: torch.device, precision: Precision) -> list[str]:
+        """loss.reference=precompute: every sequence's reference log-probability, from the model as built (before
+        the first step; the base with its adapter disabled), kept in the run directory or read back from it."""
+        if not self.precompute:
+            return []
+        live = Reference(model, live=True)
+        roles = [key.rsplit(".", 1)[0] for key in self.item_keys if key.endswith(".input_ids")]
+
+        def logps(batch: Batch) -> list:
+            batch, found = on(batch, device), []
+            for role in roles:
+                inputs, labels = role_inputs(batch.inputs, role), batch.inputs[f"{role}.labels"]
+                found.append((inputs, labels, live.logps(model, inputs, labels, self.ignore_index, precision.inputs,
+                                                         precision.autocast)))
+            return found
+
+        self.table, lines = prepare_table(splits, logps, self.name, device)
+        self.ref = None
+        return lines
 
     def figures(self) -> dict[str, torch.Tensor]:
         return self.measured

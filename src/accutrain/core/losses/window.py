@@ -135,6 +135,9 @@ class WindowLoss(abc.ABC):
                     "so the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)"]
         return []
 
+    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
+        return []
+
     def figures(self) -> dict[str, torch.Tensor]:
         return {}
 
