@@ -28,7 +28,6 @@ import torch
 
 import accutrain
 
-
 COMMON = ["model=cnn", "optim=adamw", "optim.lr=1e-3", "scaling.base_batch=64", "trainer.progress=false",
           "loader.num_workers=0"]
 RUNS = {

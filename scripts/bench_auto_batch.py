@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 import accutrain
 from accutrain.config.train import TrainConfig
-from accutrain.train.memory import is_oom
 from accutrain.dist import World
 from accutrain.train.build import build
+from accutrain.train.memory import is_oom
 
 DEFAULTS = ["model=resnet18", "data=synthetic", "data.image_size=64", "data.size=512", "trainer.device=cuda",
             "global_batch=720720", "micro_batch=auto", "trainer.max_steps=1"]

@@ -27,9 +27,9 @@ import torch
 from accutrain import dist
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
-from accutrain.store.progress import Progress
 from accutrain.runtime.workers import spawn
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog

@@ -22,13 +22,13 @@ import platform
 import statistics
 import time
 
+import bench_overhead  # scripts/: run as `python scripts/bench_noise_scale.py`
 import torch
 
-import bench_overhead  # scripts/: run as `python scripts/bench_noise_scale.py`
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
-from accutrain.train.noise_scale import NoiseScale
 from accutrain.dist import World
+from accutrain.train.noise_scale import NoiseScale
 
 
 def main(argv: list[str] | None = None) -> None:

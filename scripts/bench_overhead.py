@@ -44,9 +44,9 @@ from torch.utils.data import DataLoader
 
 import accutrain
 from accutrain.config.typed import seal
-from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog

@@ -101,8 +101,8 @@ def prepare(method: str, directory: Path, texts: tuple[list[str], ...], micro: i
     q, p, n = texts
     if method.startswith("accutrain"):
         from accutrain.core.batches import Batch, PadCollate
-        from accutrain.core.losses.contrastive import ContrastiveLoss
         from accutrain.core.gradcache import accumulate_window_loss
+        from accutrain.core.losses.contrastive import ContrastiveLoss
         from accutrain.data.tokenizer import ByteTokenizer
         from accutrain.models.hf_encoder import encoder
 

@@ -24,8 +24,8 @@ from torch import nn
 
 import accutrain
 from accutrain.core.batches import Batch
-from accutrain.core.losses.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss
+from accutrain.core.losses.contrastive import ContrastiveLoss
 
 
 def run(args: list[str], run_dir: Path) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:

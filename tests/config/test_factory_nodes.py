@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import train_here, train_run
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -12,7 +13,6 @@ from accutrain.config.renames import RENAMED, renamed
 from accutrain.config.validate import validate
 from accutrain.data import Datasets
 from accutrain.errors import UserError
-from conftest import train_here, train_run
 
 TINY = ["debug=fast", "data.size=40", "data.val_size=8", "trainer.max_steps=2", "trainer.checkpoint_every=1"]
 

@@ -10,9 +10,9 @@ import struct
 import time
 
 import pytest
+from conftest import TINY, TINY_DATA, assert_one_line_error, run_cli
 
 from accutrain.config.refusals import rows
-from conftest import TINY, TINY_DATA, assert_one_line_error, run_cli
 
 CONTRASTIVE = ["debug=fast", "loss=contrastive", "augment.views=2", "augment=crop_flip"]
 FSDP = [*TINY, "strategy=fsdp"]

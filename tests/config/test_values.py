@@ -1,11 +1,11 @@
 """Values PyTorch or the maths refuse are refused before PyTorch loads, in one line naming the key, the value and what
 is valid (issue 32) — and a value they accept is not."""
 import pytest
+from conftest import assert_one_line_error, run_cli
 
 from accutrain.cli.command import check
 from accutrain.config.validate import validate
 from accutrain.errors import UserError, one_line
-from conftest import assert_one_line_error, run_cli
 
 REFUSED = [
     (["optim.momentum=-0.5"], "optim.momentum=-0.5 is not valid: expected 0 (none) or a positive, finite momentum"),
@@ -78,9 +78,9 @@ def test_micro_batch_auto_on_a_cpu_found_by_device_auto_is_refused_before_the_ru
 def test_the_largest_seed_torch_accepts_trains(tmp_path):
     """Every stream derived from the seed (an epoch's order, a synthetic sample) is taken modulo 2**64, as torch takes
     a seed: the largest seed works, and a negative one draws what its value modulo 2**64 draws."""
-    from accutrain.seeding import derived_seed, generator
-
     import torch
+
+    from accutrain.seeding import derived_seed, generator
 
     assert derived_seed(3, 7) == 3 * 1_000_003 + 7  # the streams of every seed that worked before are unchanged
     big = 2**64 - 1

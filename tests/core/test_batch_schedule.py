@@ -4,13 +4,25 @@ import signal
 
 import pytest
 import torch
+from conftest import (
+    RUN,
+    TINY,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 
 from accutrain.config.train import compose
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.errors import UserError
-from conftest import (RUN, TINY, WAIT_S, assert_identical, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, start, train_here, train_run, wait_for_steps)
 
 # 117 samples, 3 epochs: the ramp 16 → 64 over the first half of the 351 samples, in multiples of 16.
 RAMP = ["batch_schedule=ramp", "batch_schedule.batch=[16,64]", "batch_schedule.at=[0,0.5]"]

@@ -6,6 +6,7 @@ sharded by FSDP."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import final_weights, read_metrics, train_here
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -13,7 +14,6 @@ from torch.utils._pytree import tree_leaves
 from accutrain.core.chunked_ce import Projection, chunk_size, logits_of
 from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
-from conftest import final_weights, read_metrics, train_here
 
 
 @pytest.mark.parametrize("bias", [False, True])

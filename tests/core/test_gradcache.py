@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from accutrain.core.batches import Batch
+from accutrain.core.gradcache import accumulate_window_loss, one_pass
 from accutrain.core.losses.contrastive import ContrastiveLoss, Temperature
 from accutrain.core.losses.window import embed
-from accutrain.core.gradcache import accumulate_window_loss, one_pass
 
 CPU = torch.device("cpu")
 

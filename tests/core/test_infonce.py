@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from accutrain.core.batches import Batch
-from accutrain.core.losses.contrastive import ContrastiveLoss
 from accutrain.core.gradcache import accumulate_window_loss, one_pass
+from accutrain.core.losses.contrastive import ContrastiveLoss
 
 SCALE = 1 / 0.1
 

@@ -7,15 +7,15 @@ import hydra
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_one_line_user_error
 from torch import nn
 
 from accutrain.core.losses import elements as losses
 from accutrain.core.losses.cross_entropy import SummedLoss
-from accutrain.train.monitor import Monitor
 from accutrain.core.step import accumulate, evaluate
 from accutrain.errors import UserError
 from accutrain.models.losses import build_loss
-from conftest import assert_one_line_user_error
+from accutrain.train.monitor import Monitor
 
 
 def fixture(n=14, out=3, seed=0):

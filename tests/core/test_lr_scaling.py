@@ -4,14 +4,20 @@ import math
 
 import pytest
 import torch
+from conftest import TINY, assert_one_line_user_error, read_metrics, train_here
 
 from accutrain.config.validate import validate
-from accutrain.core.lr_scaling import (BatchScaling, WindowScaling, describe, half_life_samples, scaled_lr,
-                                       window_hparams)
+from accutrain.core.lr_scaling import (
+    BatchScaling,
+    WindowScaling,
+    describe,
+    half_life_samples,
+    scaled_lr,
+    window_hparams,
+)
 from accutrain.core.options import Beta2Scaling, LRScaling
-from accutrain.models.ema import EMA
 from accutrain.errors import UserError
-from conftest import TINY, assert_one_line_user_error, read_metrics, train_here
+from accutrain.models.ema import EMA
 
 
 @pytest.mark.parametrize("rule, effective, base, expected", [

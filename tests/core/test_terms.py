@@ -3,11 +3,11 @@ micro-batches give, on every rank, under any split — without the window ever b
 import pytest
 import torch
 
+from accutrain.config.validate import typed_run
 from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.terms import TermCounts
 from accutrain.core.windows import WindowSampler
 from accutrain.dist import World
-from accutrain.config.validate import typed_run
 from accutrain.train.build import build
 
 SEQ = ["data=sequences", "data.size=53", "data.val_size=8", "data.min_length=2", "data.max_length=12",

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY, final_weights, read_metrics, train_here
 
 from accutrain.core.batches import Batch
 from accutrain.core.gradcache import accumulate_window_loss, one_pass
 from accutrain.core.losses.triplet import TripletLoss
-from conftest import TINY, final_weights, read_metrics, train_here
 
 
 def hand_written(z: torch.Tensor, margin: float, distance: str) -> torch.Tensor:

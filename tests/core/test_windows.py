@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from accutrain.core.loader import window_loader, windows_of
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.windows import WindowSampler, epoch_order, rank_share
-from accutrain.core.loader import window_loader, windows_of
 
 
 def sampler_of(micro_batch, accum, devices=1, rank=0, n=110, seed=0, last_window=LastWindow.step):

@@ -5,39 +5,48 @@ import datetime
 import os
 import queue
 import socket
-
 import sys
 
 import pytest
 import torch
 import torch.distributed as torch_dist
+from conftest import (
+    OOM,
+    OOM_MODEL,
+    TINY,
+    TINY_DATA,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    run_cli,
+    run_of,
+    train_here,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accutrain import dist
 from accutrain.config.targets import instantiate
 from accutrain.core import grad_buffers
+from accutrain.core import loss as core_loss
 from accutrain.core.grad_buffers import GradBuffers
 from accutrain.core.losses.cross_entropy import make_loss
 from accutrain.core.options import Normalize
 from accutrain.core.precision import make_precision
-from accutrain.store.progress import Progress
-from accutrain.core import loss as core_loss
 from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models import norms
 from accutrain.runtime import launch, workers
 from accutrain.signals import StopRequest
-from accutrain.train import auto_batch
+from accutrain.store.progress import Progress
+from accutrain.train import auto_batch, check
 from accutrain.train import build as build_module
-from accutrain.train import check
 from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (run_of, OOM, OOM_MODEL, TINY, TINY_DATA, assert_one_line_error, assert_one_line_user_error,
-                      assert_same_weights, final_weights, run_cli, train_here)
 
 CPU = torch.device("cpu")
 

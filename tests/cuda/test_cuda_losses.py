@@ -4,9 +4,9 @@ the regression and multi-label losses and the contrastive window under every spl
 bitsandbytes). The contrastive second pass replaying CUDA's dropout masks is tests/core/test_gradcache.py's."""
 import pytest
 import torch
+from conftest import EXACT, TINY, final_weights, read_metrics, train_here
 
 from accutrain.core.precision import tolerance
-from conftest import EXACT, TINY, final_weights, read_metrics, train_here
 
 pytestmark = pytest.mark.cuda
 GPU = ["trainer.device=cuda", "trainer.deterministic=true"]

@@ -6,18 +6,18 @@ import warnings
 
 import pytest
 import torch
+from conftest import TINY_DATA, final_weights, read_metrics, run_of, train_here
 
 from accutrain.core import compiled
 from accutrain.core.precision import full_float32, tolerance
-from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
 from accutrain.train.auto_batch import divisors
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import StepLog
-from conftest import run_of, TINY_DATA, final_weights, read_metrics, train_here
 
 pytestmark = pytest.mark.cuda
 GPU = ["trainer.device=cuda", "trainer.deterministic=true"]

@@ -6,22 +6,36 @@ import signal
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    RUN,
+    TINY,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    run_cli,
+    run_of,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 
+from accutrain.core.loader import WindowData
 from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.mixing import Mix, Mixer
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.step import accumulate
 from accutrain.core.windows import MicroBatch, Window, WindowSampler
-from accutrain.core.loader import WindowData
 from accutrain.data import views
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
-from conftest import (assert_identical, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, RUN, run_cli, run_of, start, TINY, train_here, train_run,
-                      wait_for_steps, WAIT_S)
 
 # 110 samples = windows of 32, 32, 32 and 14: micro_batch=8 leaves a micro-batch of 6, devices=2 a rank with less.
 # grad_clip would show a per-micro-batch clip; label smoothing and MixUp's soft targets go through the summed loss.
@@ -238,10 +252,10 @@ def test_window_data_without_views_or_mixer_is_unchanged():
 
 
 def test_image_folder_trains_on_random_resized_crops_and_evaluates_on_a_centre_crop(tmp_path, compose):
+    from conftest import make_image_folder
     from torchvision.transforms import v2
 
     from accutrain.data.folders import image_folder
-    from conftest import make_image_folder
 
     root = make_image_folder(tmp_path, size=12)
     cfg = run_of("data=imagefolder", f"data.root={root}", "data.image_size=8", "model=resnet18",

@@ -4,6 +4,8 @@ property the ways real ones do (a block only on the last turn, history turns wit
 one with tool calls, one with generation markers and accutrain's own; a template that cannot be labelled is one
 line."""
 import pytest
+from chat_templates import QWEN25, SHOUTING, TEMPLATES, TOOLS, bpe_tokenizer, conversations
+from conftest import assert_one_line_user_error
 
 from accutrain.data.chat import encode_conversation
 from accutrain.data.messages import messages_of
@@ -11,8 +13,6 @@ from accutrain.data.template import chat_template
 from accutrain.data.text import common_prefix
 from accutrain.data.tokenizer import ByteTokenizer, fast_byte_tokenizer
 from accutrain.errors import UserError
-from chat_templates import QWEN25, SHOUTING, TEMPLATES, TOOLS, bpe_tokenizer, conversations
-from conftest import assert_one_line_user_error
 
 pytest.importorskip("transformers")
 REASONING = ("qwen3_like", "history_without_reasoning")  # the templates that render reasoning_content

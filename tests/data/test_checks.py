@@ -5,18 +5,18 @@ import json
 
 import pytest
 import torch
+from conftest import assert_one_line_user_error, run_of
 from torch.utils.data import Dataset
 
 from accutrain.config.targets import instantiate
 from accutrain.core.batches import BatchFormat
+from accutrain.core.loader import window_loader
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.windows import WindowSampler
-from accutrain.core.loader import window_loader
 from accutrain.data.checks import prepare
 from accutrain.data.datasets import Datasets, InMemory, eval_loader
 from accutrain.data.text import text_data
-from conftest import run_of, assert_one_line_user_error
 
 
 def made(n=64, nval=8, classes=3, train_labels=None, val_labels=None, dtype=torch.int64):

@@ -1,11 +1,11 @@
 """Datasets: the shipped digits, deterministic synthetic data, image folders, and missing data."""
 import pytest
 import torch
+from conftest import make_image_folder
 
 from accutrain.data.datasets import digits, synthetic, torchvision_dataset
 from accutrain.data.folders import image_folder
 from accutrain.errors import UserError
-from conftest import make_image_folder
 
 
 def test_digits_ship_with_a_fixed_held_out_split():

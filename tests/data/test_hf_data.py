@@ -4,14 +4,15 @@ import json
 
 import pytest
 import torch
+from conftest import assert_one_line_user_error, final_weights, read_metrics, train_here
 
 from accutrain.data.chat import encode_conversation
-from accutrain.data.template import chat_template, render_bytes as render
 from accutrain.data.hf_data import hf_data
+from accutrain.data.template import chat_template
+from accutrain.data.template import render_bytes as render
 from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.errors import UserError
-from conftest import assert_one_line_user_error, final_weights, read_metrics, train_here
 
 datasets = pytest.importorskip("datasets")
 
@@ -178,7 +179,7 @@ def test_records_max_length_leaves_untrained_are_counted_dropped_and_listed(tmp_
 
 @pytest.mark.slow
 def test_bad_records_and_too_long_samples_are_refused_before_the_run_directory(tmp_path):
-    from conftest import run_cli, assert_one_line_error
+    from conftest import assert_one_line_error, run_cli
 
     records = CHATS[:6] + [{"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}]}]
     path = write_jsonl(tmp_path / "chat.jsonl", records)

@@ -6,13 +6,21 @@ import signal
 
 import pytest
 import torch
+from conftest import (
+    assert_identical,
+    assert_one_line_user_error,
+    final_weights,
+    read_metrics,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.streams import StreamSampler
 from accutrain.errors import UserError
-from conftest import (assert_identical, assert_one_line_user_error, final_weights, read_metrics, start, train_here,
-                      train_run, wait_for_steps)
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")

@@ -5,6 +5,8 @@ them."""
 import json
 
 import pytest
+from chat_templates import QWEN25 as QWEN
+from conftest import assert_one_line_error, assert_one_line_user_error, train_run
 
 from accutrain.data.chat import encode_conversation
 from accutrain.data.hf_data import hf_data
@@ -12,8 +14,6 @@ from accutrain.data.messages import messages_of
 from accutrain.data.template import chat_template
 from accutrain.data.tokenizer import fast_byte_tokenizer
 from accutrain.errors import UserError
-from chat_templates import QWEN25 as QWEN
-from conftest import assert_one_line_error, assert_one_line_user_error, train_run
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
@@ -195,8 +195,9 @@ def test_a_stream_that_fails_keeps_the_steps_before_and_a_buffer_of_nothing_is_r
 
 @pytest.mark.parametrize("reader", ["text", "hf"])
 def test_pairs_whose_positives_are_all_the_same_text_are_warned_of_at_load(tmp_path, reader):
-    from accutrain.data.text import text_data
     from conftest import captured_log
+
+    from accutrain.data.text import text_data
 
     def load(records):
         path = write_jsonl(tmp_path / f"pairs{len(records)}.jsonl", records)

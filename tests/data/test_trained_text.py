@@ -7,10 +7,10 @@ import json
 import random
 
 import pytest
+from chat_templates import LAST_TURN_BLOCK, MARKERS, QWEN25, saved_tokenizer
 
 from accutrain.data.hf_data import hf_data
 from accutrain.data.text import text_data
-from chat_templates import LAST_TURN_BLOCK, MARKERS, QWEN25, saved_tokenizer
 
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TINY, assert_one_line_user_error
 
 import accutrain
 from accutrain.errors import UserError
 from accutrain.report.runs import read_run
-from conftest import TINY, assert_one_line_user_error
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,22 @@ import sys
 
 import pytest
 import torch
+from conftest import (
+    TINY,
+    TINY_DATA,
+    WAIT_S,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    final_weights,
+    read_metrics,
+    run_cli,
+    train_here,
+    train_run,
+)
 
 import accutrain
 from accutrain.errors import UserError
 from accutrain.train.metrics import summary_lines
-from conftest import (TINY, TINY_DATA, WAIT_S, assert_one_line_error, assert_one_line_user_error, final_weights,
-                      read_metrics, run_cli, train_here, train_run)
 
 
 def test_the_summary_says_tokens_per_second_when_the_terms_are_tokens():

@@ -9,11 +9,22 @@ import time
 
 import pytest
 import yaml
+from conftest import (
+    COMMAND_S,
+    ONE_THREAD,
+    RUN,
+    TINY,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_user_error,
+    cli_command,
+    final_weights,
+    run_cli,
+    train_here,
+)
 
 from accutrain.errors import UserError
 from accutrain.signals import StopRequest
-from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, WAIT_S, assert_identical, assert_one_line_user_error,
-                      cli_command, final_weights, run_cli, train_here)
 
 
 def test_every_preemption_signal_asks_for_a_stop_after_the_step():

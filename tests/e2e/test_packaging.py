@@ -6,7 +6,6 @@ import sys
 import zipfile
 
 import pytest
-
 from conftest import read_metrics, run_cli
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import COMMAND_S, ONE_THREAD
 from docs_blocks import ROOT, all_commands, fenced_blocks, paged_commands, unknown_blocks, words
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from accutrain.runtime.scheduler import PORTS
 from conftest import COMMAND_S, ONE_THREAD, SLOW_MODEL, WAIT_S, cli_command
 from docs_blocks import ROOT, all_commands, recipes
+
+from accutrain.runtime.scheduler import PORTS
 
 DATA = ["trainer.progress=false", "data=synthetic", "data.size=64", "data.val_size=16", "data.image_size=8",
         "data.channels=1"]

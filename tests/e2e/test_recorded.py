@@ -6,9 +6,17 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import (COMMAND_S, RUN, assert_identical, assert_one_line_error, final_weights, killed_at_step,
-                      read_metrics, run_cli, train_here)
+from conftest import (
+    COMMAND_S,
+    RUN,
+    assert_identical,
+    assert_one_line_error,
+    final_weights,
+    killed_at_step,
+    read_metrics,
+    run_cli,
+    train_here,
+)
 
 
 @pytest.mark.slow

@@ -15,9 +15,9 @@ import termios
 from pathlib import Path
 
 import pytest
+from conftest import COMMAND_S, ONE_THREAD, TINY, cli_command, train_run
 
 from accutrain.runtime import malloc
-from conftest import COMMAND_S, ONE_THREAD, TINY, cli_command, train_run
 
 COLUMNS, ROWS = 120, 40
 CSI = re.compile(r"\x1b\[([?0-9;]*)([A-Za-z])")

@@ -5,19 +5,33 @@ import signal
 
 import pytest
 import torch
+from conftest import (
+    EXACT,
+    NAN_DATA,
+    RUN,
+    TINY,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_user_error,
+    final_weights,
+    read_metrics,
+    run_of,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 from torch import nn
 
-from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models.ema import EMA
 from accutrain.report import runs
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (assert_identical, assert_one_line_user_error, EXACT, final_weights, NAN_DATA, read_metrics, RUN,
-                      run_of, start, TINY, train_here, train_run, wait_for_steps, WAIT_S)
 
 
 def test_one_update_is_the_formula_and_buffers_follow_timm():

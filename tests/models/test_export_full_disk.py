@@ -6,11 +6,11 @@ import resource
 
 import pytest
 import test_hf
+from conftest import assert_one_line_user_error, train_here
 from safetensors.torch import load_file
 
 from accutrain.errors import UserError
 from accutrain.models import hf
-from conftest import assert_one_line_user_error, train_here
 
 pytest.importorskip("transformers")
 files, lm = test_hf.files, test_hf.lm

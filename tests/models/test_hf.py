@@ -8,6 +8,16 @@ import re
 
 import pytest
 import torch
+from conftest import (
+    assert_identical,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    killed_at_step,
+    read_metrics,
+    run_of,
+    train_here,
+)
 from torch import nn
 
 from accutrain.core.batches import Batch, BatchFormat, PadCollate, stand_in_guard
@@ -17,8 +27,6 @@ from accutrain.data.text import text_data
 from accutrain.data.tokenizer import ByteTokenizer
 from accutrain.errors import UserError
 from accutrain.models.factories import build_model
-from conftest import (run_of, assert_identical, assert_one_line_user_error, assert_same_weights, final_weights, killed_at_step,
-                      read_metrics, train_here)
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,12 +9,21 @@ import hydra
 import pytest
 import test_hf
 import torch
+from conftest import (
+    assert_identical,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    killed_at_step,
+    read_metrics,
+    run_cli,
+    train_here,
+)
 from omegaconf import OmegaConf
 
 from accutrain.errors import UserError
 from accutrain.seeding import seed_everything
-from conftest import (assert_identical, assert_one_line_error, assert_one_line_user_error, assert_same_weights,
-                      final_weights, killed_at_step, read_metrics, run_cli, train_here)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

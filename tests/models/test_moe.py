@@ -11,9 +11,16 @@ import re
 
 import pytest
 import test_hf
-
-from conftest import (assert_identical, assert_one_line_error, final_weights, killed_at_step, read_metrics, run_cli,
-                      run_of, train_here)
+from conftest import (
+    assert_identical,
+    assert_one_line_error,
+    final_weights,
+    killed_at_step,
+    read_metrics,
+    run_cli,
+    run_of,
+    train_here,
+)
 
 pytest.importorskip("transformers")
 

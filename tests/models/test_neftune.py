@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import assert_one_line_user_error, final_weights, train_here
 
 from accutrain.errors import UserError
-from conftest import assert_one_line_user_error, final_weights, train_here
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")

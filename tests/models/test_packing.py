@@ -2,6 +2,7 @@
 block gives every document the logits (and the loss) it gets alone; data.packing=concat keeps the old blocks."""
 import pytest
 import torch
+from conftest import assert_one_line_user_error, read_metrics, run_of, train_here
 
 from accutrain.core.batches import PadCollate
 from accutrain.core.chunked_ce import logits_of
@@ -9,7 +10,6 @@ from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.data.packing import pack, packing_mode
 from accutrain.data.text import as_items
 from accutrain.errors import UserError
-from conftest import run_of, assert_one_line_user_error, read_metrics, train_here
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,6 +103,7 @@ def test_packing_from_the_cli_with_micro_tokens_and_a_model_that_cannot_take_it(
 def test_chat_records_from_data_hf_pack_by_documents(tmp_path):
     pytest.importorskip("datasets")
     import json
+
     from accutrain.data.hf_data import hf_data
     chats = [{"messages": [{"role": "user", "content": f"{i} plus 1?"}, {"role": "assistant", "content": f"{i + 1}."}]}
              for i in range(12)]

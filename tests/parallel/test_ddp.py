@@ -9,11 +9,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    COMMAND_S,
+    ONE_THREAD,
+    RUN,
+    TINY,
+    TINY_DATA,
+    WAIT_S,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    assert_same_weights,
+    cli_command,
+    final_weights,
+    read_metrics,
+    run_cli,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 
 from accutrain.errors import UserError
-from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, TINY_DATA, WAIT_S, assert_one_line_error,
-                      assert_one_line_user_error, assert_same_weights, cli_command, final_weights, read_metrics,
-                      run_cli, start, train_here, train_run, wait_for_steps)
 
 # 117 samples = 3 windows of 32 + one of 21. With devices=2 micro_batch=8 the 21 are cut 8|8 then 5|0: in the
 # last micro-step rank 0 has 5 samples and rank 1 none, and the all-reduce must neither hang nor be biased.

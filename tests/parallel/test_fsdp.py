@@ -9,6 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    TINY,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_user_error,
+    assert_same_weights,
+    read_metrics,
+    rewind,
+    run_of,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 from torch import nn
 
 from accutrain.config.train import Sync
@@ -17,8 +31,6 @@ from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.parallel.state_dicts import by_index, by_name
 from accutrain.report.summary import write_report
-from conftest import (assert_identical, assert_one_line_user_error, assert_same_weights, read_metrics, rewind, run_of,
-                      start, TINY, train_here, train_run, wait_for_steps, WAIT_S)
 
 # Linear(64, 33) shards unevenly over 2 ranks (17 + 16 rows); no dropout or BatchNorm, so the step is exact; the
 # delay (numerics untouched) lets a kill land mid-run.

@@ -8,13 +8,26 @@ import subprocess
 
 import pytest
 import torch
+from conftest import (
+    COMMAND_S,
+    ONE_THREAD,
+    RUN,
+    TINY,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_error,
+    assert_same_weights,
+    cli_command,
+    final_weights,
+    read_metrics,
+    train_here,
+    wait_for_steps,
+)
 
 from accutrain import dist
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.runtime.scheduler import PORTS, adopt_scheduler_world, first_host, slurm_world
-from conftest import (COMMAND_S, ONE_THREAD, RUN, TINY, WAIT_S, assert_identical, assert_one_line_error,
-                      assert_same_weights, cli_command, final_weights, read_metrics, train_here, wait_for_steps)
 
 UNEVEN = [*TINY, "data.size=117", "trainer.epochs=1", "trainer.grad_clip=0.5", "optim.weight_decay=1e-3"]
 

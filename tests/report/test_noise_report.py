@@ -3,11 +3,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import TINY, train_here
 
 from accutrain.report.noise import verdict
 from accutrain.report.runs import RunRow
 from accutrain.report.summary import write_report
-from conftest import TINY, train_here
 
 
 def row(b_simple: float, effective: int = 64) -> RunRow:

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TINY, assert_one_line_error, read_metrics, run_cli, strict_json, train_run
 from PIL import Image
 
 from accutrain.errors import UserError
 from accutrain.report import runs
 from accutrain.report import summary as report
 from accutrain.store.status import add_to_status, current_state, one_line, recorded, write_status
-from conftest import TINY, assert_one_line_error, read_metrics, run_cli, strict_json, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=4", "accum=2", "trainer.max_steps=4", "trainer.eval_every=2"]
 

@@ -5,10 +5,10 @@ import json
 import shutil
 
 import pytest
+from conftest import TINY, TINY_DATA, assert_one_line_error, read_metrics, run_cli
 from PIL import Image
 
 from accutrain.config.train import config_dir
-from conftest import TINY, TINY_DATA, assert_one_line_error, read_metrics, run_cli
 
 # 40 samples, 3 optimizer steps per job: the sweep is about the summary, not the training.
 QUICK = [*TINY, "data.size=40", "trainer.max_steps=3"]

@@ -12,6 +12,19 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from conftest import (
+    SLOW_MODEL,
+    TINY,
+    TINY_DATA,
+    WAIT_S,
+    read_metrics,
+    run_cli,
+    run_of,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
@@ -19,8 +32,6 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 from accutrain.errors import UserError
 from accutrain.store import mark
 from accutrain.trackers import Trackers
-from conftest import (read_metrics, run_cli, run_of, SLOW_MODEL, start, TINY, TINY_DATA, train_here, train_run,
-                      wait_for_steps, WAIT_S)
 
 # 100 samples in windows of 32: 4 optimizer steps per epoch (the last window of 4 samples), 8 over two epochs.
 SPLIT = ["data.size=100", "micro_batch=16", "accum=2"]

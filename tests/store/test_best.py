@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY, assert_one_line_user_error, train_here
 
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
 from accutrain.errors import UserError
 from accutrain.runtime.launch import train
-from conftest import TINY, assert_one_line_user_error, train_here
 
 
 def test_best_pt_holds_the_weights_without_the_optimizer_state(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from conftest import TINY
 
 from accutrain.cli import hydra_internals
 from accutrain.cli.command import check, claimed
@@ -18,7 +19,6 @@ from accutrain.cli.job import Tally, train_job
 from accutrain.config.train import config_dir
 from accutrain.errors import UserError
 from accutrain.store import mark, record
-from conftest import TINY
 
 FRESH = [*TINY, "data.size=24", "micro_batch=8", "trainer.max_steps=1", "trainer.progress=false"]
 STEPS = ("check", "claim", "run")

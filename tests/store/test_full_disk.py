@@ -11,10 +11,10 @@ import subprocess
 
 import pytest
 import torch
+from conftest import COMMAND_S, ONE_THREAD, RUN, cli_command, wait_for_steps
 
 from accutrain.store import status
 from accutrain.train.metrics import MetricsLog
-from conftest import COMMAND_S, ONE_THREAD, RUN, cli_command, wait_for_steps
 
 
 def limit_file_size(pid: int, size: int) -> None:

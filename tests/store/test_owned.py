@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, assert_one_line_error, assert_one_line_user_error, run_cli, train_here, train_run
 
 from accutrain.cli.command import check
 from accutrain.errors import UserError
 from accutrain.store import mark, owned, rundir
 from accutrain.store.rotation import Rotation
-from conftest import TINY, assert_one_line_error, assert_one_line_user_error, run_cli, train_here, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=2", "trainer.progress=false"]
 

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TINY, assert_one_line_error, run_cli, train_run
 
 from accutrain.errors import UserError
 from accutrain.store import record, rundir
 from accutrain.store.status import add_to_status, read_status, recorded, write_status
-from conftest import TINY, assert_one_line_error, run_cli, train_run
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=3"]
 

@@ -9,13 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    COMMAND_S,
+    ONE_THREAD,
+    TINY,
+    assert_one_line_error,
+    captured_log,
+    cli_command,
+    read_metrics,
+    run_cli,
+    train_here,
+    train_run,
+)
 
 from accutrain.cli.command import check
 from accutrain.errors import UserError
 from accutrain.store import checkpoint, mark, rundir
 from accutrain.store.rotation import Rotation
-from conftest import (COMMAND_S, ONE_THREAD, TINY, assert_one_line_error, captured_log, cli_command, read_metrics,
-                      run_cli, train_here, train_run)
 
 QUICK = [*TINY, "data.size=40", "micro_batch=8", "trainer.max_steps=3", "trainer.checkpoint_every=1"]
 

@@ -4,11 +4,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    EXACT,
+    RUN,
+    TINY,
+    assert_identical,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    train_here,
+    train_run,
+)
 
 from accutrain.config.validate import validate
 from accutrain.errors import UserError
-from conftest import (EXACT, RUN, TINY, assert_identical, assert_one_line_error, assert_one_line_user_error,
-                      assert_same_weights, final_weights, read_metrics, train_here, train_run)
 
 FOLLOW = ["optim=adamw", "scaling.beta2=half_life", "scaling.base_batch=8", "trainer.ema=0.9", "scaling.ema=true"]
 

@@ -2,11 +2,11 @@
 contiguous run (another summation order: float rounding), on one device and on 2 ranks, and a bit-identical resume."""
 import pytest
 import torch
+from conftest import assert_identical, final_weights, rewind, run_of, train_here
 
 from accutrain.core.precision import make_precision
 from accutrain.dist import World
 from accutrain.train.build import build
-from conftest import assert_identical, final_weights, rewind, run_of, train_here
 
 CNN = ["debug=fast", "model=cnn", "model.channels=[8,16]", "data.size=96", "data.channels=3", "micro_batch=8",
        "accum=4", "optim=sgd", "optim.lr=0.1"]

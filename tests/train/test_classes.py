@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_one_line_user_error, make_image_folder, train_here, train_run
 
 from accutrain.errors import UserError
-from conftest import assert_one_line_user_error, make_image_folder, train_here, train_run
 
 READ_BACK = """
 import json, sys

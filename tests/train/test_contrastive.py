@@ -4,9 +4,17 @@ per-micro-batch loss (loss.window=false) does not; bad combinations are one line
 
 import pytest
 import torch
-
-from conftest import (TINY, TINY_DATA, assert_identical, assert_one_line_user_error, final_weights, killed_at_step,
-                      read_metrics, train_here, train_run)
+from conftest import (
+    TINY,
+    TINY_DATA,
+    assert_identical,
+    assert_one_line_user_error,
+    final_weights,
+    killed_at_step,
+    read_metrics,
+    train_here,
+    train_run,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -3,9 +3,18 @@ that a kill of a run with the default config resumes from a checkpoint rather th
 import signal
 
 import pytest
-
-from conftest import (RUN, TINY, WAIT_S, assert_identical, final_weights, read_metrics, start, train_here, train_run,
-                      wait_for_steps)
+from conftest import (
+    RUN,
+    TINY,
+    WAIT_S,
+    assert_identical,
+    final_weights,
+    read_metrics,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 
 DEFAULT = [arg for arg in RUN if not arg.startswith("trainer.checkpoint_every")]  # 4 windows an epoch, 3 epochs
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import final_weights, read_metrics, train_here
 
 pytestmark = pytest.mark.slow

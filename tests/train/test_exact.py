@@ -1,7 +1,6 @@
 """The core promise: every split of the same effective batch takes the same optimizer steps on the same windows."""
 import pytest
 import torch
-
 from conftest import EXACT, assert_same_weights, final_weights, read_metrics, train_here
 
 

@@ -4,9 +4,16 @@ import sys
 
 import pytest
 import torch
-
-from conftest import (EXACT, TINY, assert_one_line_error, assert_same_weights, final_weights, read_metrics, train_here,
-                      train_run)
+from conftest import (
+    EXACT,
+    TINY,
+    assert_one_line_error,
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    train_here,
+    train_run,
+)
 
 pytestmark = pytest.mark.slow
 

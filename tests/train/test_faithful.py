@@ -5,16 +5,16 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY, assert_same_weights, final_weights, read_metrics, run_cli, run_of, train_here
 from torch import nn
 
-from accutrain.core.summing import count_terms, summed_cross_entropy
 from accutrain.core.step import accumulate
+from accutrain.core.summing import count_terms, summed_cross_entropy
 from accutrain.data.datasets import sequences
 from accutrain.models.factories import char_lm, mlp, torchvision_classifier
 from accutrain.models.norms import batchnorm_warning, convert_norm
 from accutrain.train.check import components_for_check, run_check
 from accutrain.train.check_report import batch_dependent_modules
-from conftest import run_of, TINY, assert_same_weights, final_weights, read_metrics, run_cli, train_here
 
 DIGITS = ["micro_batch=8", "accum=4"]
 SEQ = ["data=sequences", "data.size=150", "data.val_size=20", "data.max_length=16", "model=char_lm",

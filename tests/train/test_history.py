@@ -10,10 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    RUN,
+    TINY,
+    TINY_DATA,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_user_error,
+    final_weights,
+    read_metrics,
+    start,
+    train_here,
+    train_run,
+)
 
 from accutrain.errors import UserError
-from conftest import (RUN, TINY, TINY_DATA, WAIT_S, assert_identical, assert_one_line_user_error, final_weights,
-                      read_metrics, start, train_here, train_run)
 
 # debug=fast's 300 samples in windows of 32: 10 optimizer steps an epoch, 20 in all; dropout, so an RNG state not
 # restored would show.

@@ -3,20 +3,33 @@ import json
 
 import pytest
 import torch
+from conftest import (
+    EXACT,
+    OOM,
+    OOM_MODEL,
+    TINY,
+    TINY_DATA,
+    WINDOWS,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    run_of,
+    train_here,
+    train_run,
+)
 from torch import nn
 
 from accutrain.core.grad_buffers import GradBuffers
-from accutrain.store.progress import Progress
 from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.models.checkpointing import enable_activation_checkpointing
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
 from accutrain.train.auto_batch import search_micro_batch
 from accutrain.train.build import build
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
-from conftest import (run_of, EXACT, OOM, OOM_MODEL, TINY, TINY_DATA, WINDOWS, assert_one_line_user_error, assert_same_weights,
-                      final_weights, read_metrics, train_here, train_run)
 
 
 def close(a, b, rtol):

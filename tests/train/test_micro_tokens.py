@@ -5,16 +5,16 @@ import re
 
 import pytest
 import torch
+from conftest import assert_identical, assert_one_line_user_error, final_weights, read_metrics, train_here
 
 from accutrain.config.validate import typed_run, validate
 from accutrain.core.options import LastWindow
 from accutrain.core.plan import make_plan
 from accutrain.core.token_budget import TokenLengths
 from accutrain.core.windows import WindowSampler
+from accutrain.dist import World
 from accutrain.errors import UserError
 from accutrain.train.build import build
-from accutrain.dist import World
-from conftest import assert_identical, assert_one_line_user_error, final_weights, read_metrics, train_here
 
 GPT2 = ["model=hf_causal_lm", "+model.config.model_type=gpt2", "+model.config.n_layer=2", "+model.config.n_head=2",
         "+model.config.n_embd=32", "+model.config.n_positions=64", "model.dropout=0"]

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from accutrain.train.noise_scale import NoiseScale, estimates
 from accutrain.core.step import accumulate, grad_norm
 from accutrain.dist import World
+from accutrain.train.noise_scale import NoiseScale, estimates
 
 ONE = World(rank=0, size=1, local_rank=0)
 CPU = torch.device("cpu")

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY, run_of, train_here
 
 from accutrain.data.datasets import digits, sequences, synthetic
 from accutrain.dist import World
@@ -16,7 +17,6 @@ from accutrain.errors import UserError
 from accutrain.store import mark
 from accutrain.store.status import read_status, write_status
 from accutrain.train.build import build
-from conftest import run_of, TINY, train_here
 
 # lr 0.5 reaches val_acc 1.0 at step 20: the best evaluation (the first of the best) is not the last (step 30).
 TESTED = [*TINY, "data.test=40", "trainer.epochs=3", "optim.lr=0.5", "trainer.ema=0.9", "trainer.checkpoint_every=4",

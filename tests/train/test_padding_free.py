@@ -4,12 +4,12 @@ import random
 
 import pytest
 import torch
+from conftest import final_weights, read_metrics, train_here
 
 from accutrain.core.batches import FlatCollate, PadCollate
 from accutrain.core.chunked_ce import logits_of
 from accutrain.core.losses.cross_entropy import SummedLoss
 from accutrain.core.token_budget import TokenLengths
-from conftest import final_weights, read_metrics, train_here
 
 DOCS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15], [16], [17, 18, 19]]
 

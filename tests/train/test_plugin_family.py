@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import TINY, assert_one_line_user_error, final_weights, read_metrics, train_here
 
 from accutrain.config import families
 from accutrain.config.train import compose
 from accutrain.config.validate import typed_run
 from accutrain.errors import UserError
-from conftest import TINY, assert_one_line_user_error, final_weights, read_metrics, train_here
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ["loss=custom", "loss._target_=examples.mywindowloss.AlignUniform", "+loss.weight=0.5"]

@@ -4,8 +4,9 @@ process's: what the final evaluation (or a checkpoint, the test, the export) hol
 import json
 import re
 
-from accutrain.report.runs import read_run
 from conftest import TINY_DATA, read_metrics, train_run
+
+from accutrain.report.runs import read_run
 
 EVAL_HOG = """
 import torch

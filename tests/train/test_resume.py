@@ -10,13 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    COMMAND_S,
+    NAN_DATA,
+    ONE_THREAD,
+    RUN,
+    TINY,
+    TINY_DATA,
+    WAIT_S,
+    assert_identical,
+    assert_one_line_error,
+    assert_one_line_user_error,
+    cli_command,
+    final_weights,
+    read_metrics,
+    rewind,
+    run_cli,
+    start,
+    train_here,
+    train_run,
+    wait_for_steps,
+)
 
 from accutrain.errors import UserError
 from accutrain.store import files
 from accutrain.train.resume import keep_metrics_until
-from conftest import (COMMAND_S, NAN_DATA, ONE_THREAD, RUN, TINY, TINY_DATA, WAIT_S, assert_identical, rewind,
-                      assert_one_line_error, assert_one_line_user_error, cli_command, final_weights, read_metrics,
-                      run_cli, start, train_here, train_run, wait_for_steps)
 
 
 @pytest.mark.slow

@@ -4,11 +4,11 @@ import json
 import re
 
 import pytest
+from conftest import assert_one_line_user_error, captured_log, run_of
 
 from accutrain.cli.main import take_show_sample
 from accutrain.errors import UserError
 from accutrain.train.show_sample import show_sample
-from conftest import assert_one_line_user_error, captured_log, run_of
 
 
 def test_chat_and_prompt_masking_and_packed_documents_are_shown(tmp_path, compose):

@@ -12,6 +12,17 @@ import sys
 import pytest
 import torch
 import torch.distributed as torch_dist
+from conftest import (
+    TINY,
+    TINY_DATA,
+    assert_one_line_user_error,
+    assert_same_weights,
+    final_weights,
+    read_metrics,
+    run_of,
+    train_here,
+    train_run,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,20 +30,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from accutrain import dist
 from accutrain.config.validate import validate
 from accutrain.core import compiled
-from accutrain.train import memory
-from accutrain.store.progress import Progress
 from accutrain.core.step import accumulate
 from accutrain.dist import World
 from accutrain.parallel.strategy import Strategy
 from accutrain.runtime import malloc, session
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
+from accutrain.train import memory
 from accutrain.train.build import build
 from accutrain.train.check import components_for_check, run_check
 from accutrain.train.loop import fit
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import StepLog
-from conftest import (run_of, TINY, TINY_DATA, assert_one_line_user_error, assert_same_weights, final_weights, read_metrics,
-                      train_here, train_run)
 
 AOT = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
 

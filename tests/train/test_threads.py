@@ -5,10 +5,10 @@ import os
 
 import pytest
 import torch
+from conftest import TINY, assert_one_line_user_error, run_of, train_here
 
 from accutrain.errors import UserError
 from accutrain.train.threads import REMEDY, ThreadWatch, available_cpus, choose
-from conftest import TINY, assert_one_line_user_error, run_of, train_here
 
 
 def watch(load, threads=2, cpus=2):

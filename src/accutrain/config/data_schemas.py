@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
-from accutrain.config.schemas import MISSING
 
+from accutrain.config.schemas import MISSING
 
 
 # --- data/ --------------------------------------------------------------------------------------------

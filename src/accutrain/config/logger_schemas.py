@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 from accutrain.config.schemas import MISSING
 
+
 # `logger` maps a name to a tracker (accutrain.trackers); every key but `_target_` is a keyword argument of it.
 @dataclass
 class TrackerConfig:

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from accutrain.config.train import TrainConfig
 from accutrain.config import families, model_traits
+from accutrain.config.train import TrainConfig
+from accutrain.config.trait_refusals import TRAIT_ROWS, trait_rows
 from accutrain.core.losses.spec import Refusal as Row
 from accutrain.core.losses.spec import Traits
 from accutrain.core.options import Beta2Scaling, LRScaling
-from accutrain.config.trait_refusals import TRAIT_ROWS, trait_rows
 from accutrain.core.plan import derive_accum
 from accutrain.errors import UserError
 

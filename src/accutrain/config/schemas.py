@@ -10,7 +10,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-
 from accutrain.core.options import Beta2Scaling, LRScaling, MixMode
 
 MISSING = "???"  # a value the user must give: OmegaConf reads this string as missing (omegaconf.MISSING)

@@ -10,11 +10,10 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-
 from accutrain.config import families
+from accutrain.config.loading import load_target, moved
 from accutrain.config.train import GROUP_NODES, TrainConfig
 from accutrain.config.typed import Factory
-from accutrain.config.loading import load_target, moved
 from accutrain.errors import UserError, one_line
 
 if TYPE_CHECKING:

@@ -15,15 +15,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-
-from accutrain.config.data_schemas import (DigitsData, HFData, ImageFolderData, SequenceData, SyntheticData, TextData,
-                                           TorchvisionData)
 from accutrain.config import families
-from accutrain.config.renames import renamed
+from accutrain.config.data_schemas import (
+    DigitsData,
+    HFData,
+    ImageFolderData,
+    SequenceData,
+    SyntheticData,
+    TextData,
+    TorchvisionData,
+)
 from accutrain.config.logger_schemas import CSVTracker, MLflowTracker, TensorBoardTracker, WandBTracker
-from accutrain.config.schemas import (MISSING, AdamWOptim, AugmentConfig, BatchNormConfig, CharLMModel, CNNModel, ConstantSched,
-                                      CosineSched, HFCausalLMModel, HFEncoderModel, HFSeqClsModel, LoaderConfig,
-                                      MLPModel, ScalingConfig, SGDOptim, TorchvisionModel)
+from accutrain.config.renames import renamed
+from accutrain.config.schemas import (
+    MISSING,
+    AdamWOptim,
+    AugmentConfig,
+    BatchNormConfig,
+    CharLMModel,
+    CNNModel,
+    ConstantSched,
+    CosineSched,
+    HFCausalLMModel,
+    HFEncoderModel,
+    HFSeqClsModel,
+    LoaderConfig,
+    MLPModel,
+    ScalingConfig,
+    SGDOptim,
+    TorchvisionModel,
+)
 from accutrain.core.options import LastWindow
 
 if TYPE_CHECKING:

@@ -4,9 +4,8 @@ the trial steps and gradient buffers, one over pairs MixUp and padding-free rows
 spec). accutrain.config.refusals' table asks them for the run's loss."""
 from __future__ import annotations
 
-
-from accutrain.config.train import TrainConfig
 from accutrain.config import families, model_traits
+from accutrain.config.train import TrainConfig
 from accutrain.core.losses.spec import Refusal as Row
 
 

@@ -14,7 +14,6 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-
 from accutrain.config.train import GROUP_NODES, TrainConfig
 from accutrain.errors import UserError
 

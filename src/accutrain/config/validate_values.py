@@ -10,8 +10,17 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from accutrain.config.data_schemas import HFData, SequenceData, SyntheticData, TextData
-from accutrain.config.schemas import (AdamWOptim, CharLMModel, CNNModel, CosineSched, HFCausalLMModel,
-                                      HFEncoderModel, HFSeqClsModel, MLPModel, SGDOptim)
+from accutrain.config.schemas import (
+    AdamWOptim,
+    CharLMModel,
+    CNNModel,
+    CosineSched,
+    HFCausalLMModel,
+    HFEncoderModel,
+    HFSeqClsModel,
+    MLPModel,
+    SGDOptim,
+)
 from accutrain.errors import UserError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed and torch.Generator.manual_seed accept

@@ -16,7 +16,6 @@ from accutrain.core.mixing import Mix, Mixer
 from accutrain.core.windows import MicroBatch, Window, WindowSampler
 from accutrain.errors import UserError
 
-
 SAMPLE_STREAM = 4  # keyed_seed(seed, SAMPLE_STREAM, epoch, sample): a sample's own draws in the model (NEFTune)
 
 

@@ -19,11 +19,11 @@ from typing import Callable, ContextManager, Iterable, Iterator, Optional, Proto
 import torch
 from torch import nn
 
-from accutrain.core.plan import ceil_div
 from accutrain.core.batches import Batch, as_batch, stand_in_guard
 from accutrain.core.compiled import eager
-from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
+from accutrain.core.plan import ceil_div
 from accutrain.core.precision import Precision, make_precision
+from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
 from accutrain.dist import is_sharded
 
 FP32 = make_precision("32", torch.device("cpu"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from accutrain.core.loader import WindowData
 from accutrain.core.loss import Loss
 from accutrain.core.windows import Window, WindowSampler
-from accutrain.core.loader import WindowData
 
 
 class TermCounts:

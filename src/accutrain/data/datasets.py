@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from accutrain.core.samples import NamedCollate, NamedSubset
-from accutrain.data.splits import (Datasets, InMemory, describe_split_sizes, loader_workers,  # noqa: F401 (re-exported)
-                                   test_generator, test_indices)
+from accutrain.data.splits import Datasets, InMemory, describe_split_sizes, loader_workers, test_generator, test_indices  # noqa: F401 (re-exported)
 from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.errors import UserError
 from accutrain.seeding import generator

@@ -11,7 +11,6 @@ from accutrain.data.splits import Datasets
 from accutrain.data.views import ImageSource, Views, fixed_view
 from accutrain.errors import UserError
 
-
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset
 
 from accutrain.data.views import ImageSource
 from accutrain.errors import UserError
-from accutrain.store.classes import describe as named
 from accutrain.seeding import keyed_seed
+from accutrain.store.classes import describe as named
 
 
 @dataclass

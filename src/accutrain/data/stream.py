@@ -16,8 +16,16 @@ import numpy as np
 
 from accutrain.data.arrow_items import item
 from accutrain.data.datasets import Datasets
-from accutrain.data.hf_records import (Reading, description, encoding, kept_items, task, tokenize, tokenized_split,
-                                       tokenizer_for)
+from accutrain.data.hf_records import (
+    Reading,
+    description,
+    encoding,
+    kept_items,
+    task,
+    tokenize,
+    tokenized_split,
+    tokenizer_for,
+)
 from accutrain.data.hf_sources import load, text_columns
 from accutrain.data.records import Where, detail, log_tallies
 from accutrain.data.text import Tokenized, tokenized_datasets

@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import Dataset
 
 from accutrain.config import model_traits
-from accutrain.config.typed import Factory
 from accutrain.config.schemas import Crop
+from accutrain.config.typed import Factory
 from accutrain.errors import UserError
 from accutrain.seeding import keyed_seed, seeded_cpu_rng
 

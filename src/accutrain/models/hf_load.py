@@ -3,8 +3,8 @@ it), a model pretrained (a name or a folder) or initialised at random from a con
 one line (offline, a name that does not exist, a gated repository)."""
 from __future__ import annotations
 
-import logging
 import difflib
+import logging
 import os
 from typing import Any, Optional
 
@@ -15,7 +15,6 @@ from accutrain.errors import UserError
 from accutrain.models import adapters
 from accutrain.models.adapters import first_line
 from accutrain.models.hf_dropout import set_dropout_config, set_dropout_modules
-
 
 log = logging.getLogger("accutrain")
 

@@ -7,7 +7,6 @@ from typing import Iterable, Union
 import torch
 from torch import nn
 
-
 Params = Union[nn.Module, Iterable[nn.Parameter]]
 
 

@@ -20,8 +20,13 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from accutrain.dist import World, broadcast_from_main
 from accutrain.errors import CorruptCheckpoint, UserError
@@ -170,7 +175,6 @@ def read_sharded(directory: Path, templates: dict[str, Any]) -> dict[str, Any]:
     group: every rank calls it."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:  # without a process group (one plain process) every tensor is read whole

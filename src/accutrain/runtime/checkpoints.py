@@ -11,15 +11,14 @@ from typing import Optional
 import torch
 
 from accutrain import dist
-from accutrain.store.progress import Progress
 from accutrain.errors import UserError
 from accutrain.parallel.state_dicts import write_sharded
+from accutrain.store.progress import Progress
 from accutrain.store.rotation import Rotation
 from accutrain.store.status import add_to_status
 from accutrain.trackers import Trackers
 from accutrain.train.components import Components
 from accutrain.train.resume import checkpoint_state
-
 
 log = logging.getLogger("accutrain")
 RESUME_ONLY = ("optimizer", "scheduler", "scaler", "rng")  # what best.pt leaves out

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
 from accutrain.config.train import TrainConfig
 from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.plan import window_split

@@ -14,8 +14,8 @@ from accutrain.dist import World
 from accutrain.errors import NonFinite
 from accutrain.report.noise import late
 from accutrain.report.runs import RunRow, read_run
-from accutrain.runtime.cpu import prepare as prepare_cpu
 from accutrain.runtime.checkpoints import Checkpoints, warn_if_disk_is_short
+from accutrain.runtime.cpu import prepare as prepare_cpu
 from accutrain.runtime.export import export, export_if_missing
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import owned
@@ -28,8 +28,8 @@ from accutrain.train.build import build
 from accutrain.train.components import Components
 from accutrain.train.loop import Outcome, fit
 from accutrain.train.memory import fold_peak
-from accutrain.train.prepare import prepare_loss
 from accutrain.train.metrics import MetricsLog, summary_lines
+from accutrain.train.prepare import prepare_loss
 from accutrain.train.resume import resume_point, start_branch
 from accutrain.train.testing import headline, run_test
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+
 from accutrain.core.precision import float32_math
 from accutrain.dist import World, leave_process_group
 from accutrain.errors import RankDied

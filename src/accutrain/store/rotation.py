@@ -9,12 +9,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-
 from accutrain.errors import UserError
 from accutrain.store import mark
-from accutrain.store.checkpoint import load, ABANDONED, NAMED_FILE, STEP_FILE, save_atomic
+from accutrain.store.checkpoint import ABANDONED, NAMED_FILE, STEP_FILE, load, save_atomic
 from accutrain.store.files import fsync_dir
-
 
 log = logging.getLogger("accutrain")
 

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-
 from accutrain.errors import UserError
 from accutrain.store.files import read_jsonl
 from accutrain.store.record import Changes

@@ -18,7 +18,6 @@ from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.batches import Batch, PadCollate, batch_format
 from accutrain.core.grad_buffers import BufferSpec
 from accutrain.core.loss import Loss
-from accutrain.train.memory import free_memory, is_oom, peak_mb, reset_peak
 from accutrain.core.precision import Precision
 from accutrain.data.datasets import Datasets
 from accutrain.dist import World
@@ -26,6 +25,7 @@ from accutrain.errors import UserError
 from accutrain.models import norms
 from accutrain.store.files import write_atomic
 from accutrain.train.console import wait_bar
+from accutrain.train.memory import free_memory, is_oom, peak_mb, reset_peak
 
 log = logging.getLogger("accutrain")
 

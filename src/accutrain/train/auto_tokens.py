@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from accutrain import dist
-from accutrain.core.plan import ceil_div
 from accutrain.config.train import TrainConfig
 from accutrain.config.validate_values import auto_needs_budget
 from accutrain.core.batches import Batch, batch_format
 from accutrain.core.grad_buffers import BufferSpec
 from accutrain.core.loss import Loss
+from accutrain.core.plan import ceil_div
 from accutrain.core.precision import Precision
 from accutrain.core.token_budget import TokenLengths
 from accutrain.data.datasets import Datasets

@@ -14,33 +14,32 @@ from torch import nn
 from torch.utils.data import Subset
 
 from accutrain import dist
+from accutrain.config.refusals import NOISE_SCALE_NEEDS_TWO
 from accutrain.config.targets import instantiate, run_arguments
 from accutrain.config.train import TrainConfig, TrainerConfig
-from accutrain.config.refusals import NOISE_SCALE_NEEDS_TWO
 from accutrain.core import compiled, lr_scaling
 from accutrain.core.grad_buffers import grad_buffer_spec
+from accutrain.core.loader import window_loader
 from accutrain.core.mixing import make_mixer
-from accutrain.train.monitor import Monitor
-from accutrain.train.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan, make_plan
 from accutrain.core.precision import Precision, make_precision, scale_in_use
-from accutrain.core.token_budget import TokenLengths
 from accutrain.core.streams import StreamSampler
+from accutrain.core.token_budget import TokenLengths
 from accutrain.core.windows import WindowSampler
-from accutrain.core.loader import window_loader
-from accutrain.data import datasets as data
 from accutrain.data import checks as data_checks
+from accutrain.data import datasets as data
 from accutrain.data.lengths import token_lengths
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.models import losses
-from accutrain.models import norms, pitfalls
+from accutrain.models import losses, norms, pitfalls
 from accutrain.models.ema import make_ema
 from accutrain.seeding import seed_everything
 from accutrain.train.auto_batch import auto_micro_batch
 from accutrain.train.auto_tokens import auto_micro_tokens
 from accutrain.train.build_model import build_model, make_strategy
 from accutrain.train.components import Components
+from accutrain.train.monitor import Monitor
+from accutrain.train.noise_scale import NoiseScale
 
 log = logging.getLogger("accutrain")
 

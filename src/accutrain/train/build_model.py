@@ -16,8 +16,8 @@ from accutrain.core.precision import Precision
 from accutrain.data import datasets as data
 from accutrain.dist import World
 from accutrain.errors import UserError
-from accutrain.models import factories as models
 from accutrain.models import adapters, losses, norms
+from accutrain.models import factories as models
 from accutrain.models.checkpointing import enable_activation_checkpointing
 from accutrain.parallel.strategy import Strategy
 

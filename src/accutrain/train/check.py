@@ -16,7 +16,6 @@ from torch import nn
 
 from accutrain.config.train import DDPStrategy, TrainConfig
 from accutrain.config.typed import seal
-from accutrain.train import memory
 from accutrain.core.batches import Batch
 from accutrain.core.loss import Loss
 from accutrain.core.plan import ceil_div, window_split
@@ -26,6 +25,7 @@ from accutrain.dist import World, count_devices, resolve_device
 from accutrain.models.norms import local_batchnorm
 from accutrain.seeding import deterministic_algorithms
 from accutrain.store.rng import rng_state, set_rng_state
+from accutrain.train import memory
 from accutrain.train.build import build
 from accutrain.train.check_report import Check, causes, cpu_copy
 from accutrain.train.components import Components

@@ -12,10 +12,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from accutrain.train import memory
 from accutrain.core.batches import Batch, as_batch
 from accutrain.models.norms import REMEDIES, batchnorm_layers
 from accutrain.models.pitfalls import dropout_layers
+from accutrain.train import memory
 
 
 @dataclass

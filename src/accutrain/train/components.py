@@ -11,18 +11,18 @@ from torch.utils.data import DataLoader
 from accutrain.config.train import TrainConfig, TrainerConfig
 from accutrain.config.typed import Supplied
 from accutrain.core.grad_buffers import GradBuffers
+from accutrain.core.loader import InProcessLoader
 from accutrain.core.loss import Loss
 from accutrain.core.lr_scaling import BatchScaling
-from accutrain.train.monitor import Monitor
-from accutrain.train.noise_scale import NoiseScale
 from accutrain.core.plan import BatchPlan
 from accutrain.core.precision import Precision
 from accutrain.core.streams import StreamSampler
 from accutrain.core.windows import WindowSampler
-from accutrain.core.loader import InProcessLoader
 from accutrain.dist import World
 from accutrain.models.ema import EMA
 from accutrain.parallel.strategy import Strategy
+from accutrain.train.monitor import Monitor
+from accutrain.train.noise_scale import NoiseScale
 
 
 @dataclass

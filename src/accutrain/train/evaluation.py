@@ -5,13 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional
 
-
 from accutrain import dist
 from accutrain.store.progress import Progress
 from accutrain.train.components import Components
 from accutrain.train.console import wait_bar
 from accutrain.train.metrics import MetricsLog
-
 
 log = logging.getLogger("accutrain")
 

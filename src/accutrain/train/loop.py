@@ -15,21 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-
 from accutrain.config.train import OnNonFinite
 from accutrain.core import lr_scaling
-from accutrain.store.progress import Progress
+from accutrain.core.loader import windows_of
 from accutrain.core.step import pieces
 from accutrain.core.terms import TermCounts
-from accutrain.core.loader import windows_of
 from accutrain.errors import NonFinite
 from accutrain.signals import StopRequest
-from accutrain.train.components import Components
+from accutrain.store.progress import Progress
 from accutrain.train import memory
 from accutrain.train.checkpoint_clock import CheckpointClock
+from accutrain.train.components import Components
+from accutrain.train.evaluation import run_validation
 from accutrain.train.metrics import MetricsLog
 from accutrain.train.steplog import Settled, StepLog
-from accutrain.train.evaluation import run_validation
 from accutrain.train.stopping import Abandoned, WindowWatch
 from accutrain.train.window_step import accumulate_window, settle, window_terms
 

@@ -13,14 +13,14 @@ import torch
 from accutrain import dist
 from accutrain.config.train import TrainConfig
 from accutrain.config.typed import with_supplied
-from accutrain.store.progress import Progress
 from accutrain.errors import CorruptCheckpoint, UserError
 from accutrain.models import adapters
 from accutrain.seeding import derived_seed
 from accutrain.store import checkpoint, rng
-from accutrain.store.rotation import Rotation
 from accutrain.store.classes import record, refuse_other_classes
 from accutrain.store.files import read_jsonl, write_atomic
+from accutrain.store.progress import Progress
+from accutrain.store.rotation import Rotation
 from accutrain.train.components import Components
 
 log = logging.getLogger("accutrain")

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
 from accutrain.core import compiled
-from accutrain.train import memory, threads
 from accutrain.core.options import Beta2Scaling
-from accutrain.store.progress import Progress
 from accutrain.core.windows import Window
+from accutrain.store.progress import Progress
+from accutrain.train import memory, threads
 from accutrain.train.components import Components
 from accutrain.train.console import StepBar
 from accutrain.train.metrics import MetricsLog

@@ -8,9 +8,9 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from accutrain.store.progress import Progress
 from accutrain.errors import UserError
 from accutrain.store import checkpoint
+from accutrain.store.progress import Progress
 from accutrain.train.components import Components
 from accutrain.train.evaluation import measure
 from accutrain.train.metrics import MetricsLog

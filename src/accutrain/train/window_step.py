@@ -10,19 +10,18 @@ import torch
 
 from accutrain import dist
 from accutrain.core.plan import ceil_div
-from accutrain.train import memory
 from accutrain.core.precision import found_inf_and_update
-from accutrain.store.progress import Progress
 from accutrain.core.step import cut_micro_batches, grad_norm, pieces
 from accutrain.core.terms import TermCounts
 from accutrain.core.windows import Window
 from accutrain.errors import UserError
 from accutrain.models import norms, pitfalls
 from accutrain.signals import StopRequest
+from accutrain.store.progress import Progress
+from accutrain.train import memory
 from accutrain.train.components import Components
 from accutrain.train.steplog import Settled
 from accutrain.train.stopping import WindowWatch
-
 
 log = logging.getLogger("accutrain")
 

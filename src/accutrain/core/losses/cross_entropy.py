@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from accutrain.core.batches import Batch, as_batch
+from accutrain.core.loss import Batches, OnePass
 from accutrain.core.options import Normalize
 from accutrain.core.summing import count_terms, cross_entropy_sums, shift_left, summed_cross_entropy
-from accutrain.core.loss import Batches, OnePass
 from accutrain.errors import UserError
 
 
