@@ -236,30 +236,34 @@ def trl_side(kind: str, records_: list[dict], base, args, tmp: Path) -> tuple[fl
     return relative(captured["g"], reference), per_step / seconds, captured["g"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the CPU sizes (the only ones so far)")
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--records", type=int, default=24)
-    args = parser.parse_args()
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
-    pairs, feedback = records(args.records)
-    base = policy()
-    rows = []
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        for kind, recs in (("dpo", pairs), ("kto", feedback)):
-            path = tmp / f"{kind}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-            one = argparse.Namespace(**{**vars(args), "micro": args.window})  # the window as one micro-batch
-            for side, run in (("accutrain", lambda a: accutrain_side(kind, path, base, a)),
-                              ("TRL", lambda a: trl_side(kind, recs, base, a, tmp))):
-                diff, speed, grads = run(args)
-                whole = run(one)[2]
-                rows.append((kind, side, diff, relative(grads, whole), speed))
+    args = parser.parse_args(argv)
+    print(f"$ python scripts/compare_preference_peers.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
+    logging.disable(logging.WARNING)  # the two trainers' logs; switched back on below
+    try:
+        torch.set_num_threads(1)
+        pairs, feedback = records(args.records)
+        base = policy()
+        rows = []
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            for kind, recs in (("dpo", pairs), ("kto", feedback)):
+                path = tmp / f"{kind}.jsonl"
+                path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+                one = argparse.Namespace(**{**vars(args), "micro": args.window})  # the window as one micro-batch
+                for side, run in (("accutrain", lambda a: accutrain_side(kind, path, base, a)),
+                                  ("TRL", lambda a: trl_side(kind, recs, base, a, tmp))):
+                    diff, speed, grads = run(args)
+                    whole = run(one)[2]
+                    rows.append((kind, side, diff, relative(grads, whole), speed))
+    finally:
+        logging.disable(logging.NOTSET)
     print(f"window {args.window} = micro_batch {args.micro} × accum {args.window // args.micro}, "
           f"{args.steps} steps, tiny Llama + LoRA, float32, CPU (1 thread)")
     print("| loss | side | first-step gradient vs the float64 big batch | vs its own micro_batch=window step | "

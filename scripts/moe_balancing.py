@@ -156,6 +156,7 @@ def cost(a: argparse.Namespace, root: Path) -> None:
     """One window held in memory (no data loading), accumulated by each option in turn, `repeats` times: the median
     time per window, and on a GPU the peak memory of each."""
     from accutrain.core.losses.moe import moe
+    from accutrain.core.losses.moe_window import count_window
     from accutrain.core.precision import make_precision
     from accutrain.models.hf import causal_lm
 
@@ -183,7 +184,7 @@ def cost(a: argparse.Namespace, root: Path) -> None:
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             if mode == "pass 1 alone":  # the counting pass without the accumulation
-                losses["window"].count_window(model, batches, device, precision, 1)
+                count_window(losses["window"], model, batches, device, precision, 1)
             else:
                 losses[mode].accumulate(model, batches, terms, device, precision=precision)
             if device.type == "cuda":

@@ -209,8 +209,10 @@ def refused_quickly(tmp_path, files: dict[str, str], overrides: list[str], fragm
     made = "run" in watch.names()
     assert not (never_made and made), "the run directory was made (and removed)"
     assert not (tmp_path / "run").exists(), sorted(p.name for p in (tmp_path / "run").iterdir())
-    # CPU time, not wall: another process on the cores does not count against it
-    assert cpu < 5.0, f"{cpu:.1f} s of CPU for a refusal"
+    # CPU time, not wall: another process on the cores does not count against it. A table row is decided before
+    # PyTorch loads (about 1 s of CPU on an idle machine); a mistake found at start builds the data and the model.
+    limit = 5.0 if never_made else 8.0
+    assert cpu < limit, f"{cpu:.1f} s of CPU for a refusal"
     print(f"refused in {wall:.2f} s wall, {cpu:.2f} s of CPU: {' '.join(overrides)}")
 
 

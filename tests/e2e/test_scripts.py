@@ -46,6 +46,8 @@ RUNS = {
                                     "16", "--methods", "accutrain"], "accutrain"),
     "compare_normalisation.py": (["--windows", "2", "--accum", "2", "--micro-batch", "2", "--length", "8"],
                                  "windows"),
+    "compare_preference_peers.py": (["--tiny", "--window", "4", "--micro", "2", "--steps", "1", "--records", "8"],
+                                    "| kto | TRL |"),
     "compare_window_loss.py": (["--epochs", "1", "--micro", "4", "--accum", "2", "--repeats", "1", "--width", "16",
                                 "trainer.max_steps=3"], "the exact loss costs"),
     "moe_balancing.py": (["study", "--seeds", "0", "--epochs", "1", "--lines", "64", "--effective", "8", "--hidden",
@@ -58,10 +60,11 @@ OWN_TESTS = {"bench_auto_batch.py", "bench_memory.py", "make_digits.py"}
 @pytest.fixture
 def scripts(monkeypatch: pytest.MonkeyPatch):
     """Load a script as its module (scripts/ on sys.path, as when it runs), and leave the process as it was:
-    torch's threads, accutrain's log level, the scripts' modules."""
+    torch's threads, accutrain's log level, logging switched off by a script (logging.disable), a process group a
+    peer's trainer joined, the scripts' modules."""
     monkeypatch.setattr(sys, "path", [str(SCRIPTS), *sys.path])
     threads, level = torch.get_num_threads(), logging.getLogger("accutrain").level
-    before = set(sys.modules)
+    before, grouped = set(sys.modules), torch.distributed.is_initialized()
 
     def load(name: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
@@ -76,6 +79,9 @@ def scripts(monkeypatch: pytest.MonkeyPatch):
             del sys.modules[name]
     torch.set_num_threads(threads)
     logging.getLogger("accutrain").setLevel(level)
+    logging.disable(logging.NOTSET)
+    if torch.distributed.is_initialized() and not grouped:  # a peer's trainer (Accelerate) joined a process group
+        torch.distributed.destroy_process_group()
 
 
 def test_every_script_has_a_run_here() -> None:

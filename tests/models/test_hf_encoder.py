@@ -59,7 +59,7 @@ def test_first_token_pooling_on_a_model_that_attends_causally_is_refused_with_th
 
 def test_two_different_texts_embedded_identically_are_one_line_at_the_start_up_check():
     from accutrain.core.batches import Batch
-    from accutrain.core.contrastive import contrastive
+    from accutrain.core.losses.contrastive import contrastive
 
     torch.manual_seed(0)
     anchors, positives = [[3, 4, 5], [3, 9, 8]], [[7, 1, 2], [6, 1, 2]]  # the anchors share their first token

@@ -120,7 +120,8 @@ def test_every_step_up_to_a_checkpoint_is_in_metrics_jsonl_when_it_is_written(tm
     monkeypatch.setattr(session.Checkpoints, "__call__", save_and_look)
     run_dir, _ = train_here(tmp_path, "run", *TINY, "micro_batch=8", "accum=4", "trainer.checkpoint_every=3",
                             "trainer.eval_every=1000")
-    assert [step for step, _ in seen] == [3, 6, 9, 12, 15, 18, 20, 20]  # the last: best.pt, then step-20
+    # every 3 steps and at each epoch's end (step 10: trainer.checkpoint_minutes' default); the last: best.pt, step-20
+    assert [step for step, _ in seen] == [3, 6, 9, 10, 12, 15, 18, 20, 20]
     assert all(on_disk == list(range(1, step + 1)) for step, on_disk in seen), seen
     records, _ = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 21))
@@ -278,6 +279,8 @@ def test_accutrain_check_runs_on_a_compiled_model(compose, fresh_dynamo):
 def test_ddp_around_the_compiled_model_still_reduces_once_per_step(tmp_path, compose, fresh_dynamo):
     """DDP wraps the model compiled in place (as build does with devices > 1), here in a real 1-rank gloo group:
     no_sync keeps the gradient all-reduce to the window's last micro-batch."""
+    if torch_dist.is_initialized():  # a group another test of this worker process left behind
+        torch_dist.destroy_process_group()
     torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                                   world_size=1)
     try:

@@ -48,7 +48,7 @@ def random_views(c: TrainConfig) -> bool:
 
 BASE_BATCH = "it needs scaling.base_batch, the effective batch {} was tuned for (e.g. scaling.base_batch=32)"
 SCHEDULED = ("the schedule sets the effective batch of every window (accum follows from it and micro_batch × "
-             "devices): drop it")
+             "devices): drop ")
 TOKEN_BUDGET = ("micro_tokens cuts each window by a token budget and {} sizes micro-batches by samples: use one of "
                 "them (micro_tokens with global_batch=N, or micro_batch × accum)")
 NOISE_SCALE_NEEDS_TWO = ("the noise scale compares each micro-batch's gradient with the window's, the same with one "
@@ -69,8 +69,9 @@ TABLE: tuple[Entry, ...] = (
             "run and trainer.overwrite=true deletes the run directory's earlier run: choose one"),
     )),
     Entry("batch_schedule", lambda c: c.batch_schedule is not None, (
-        Row(lambda c, t: c.accum is not None, lambda c: f"accum={c.accum}", SCHEDULED),
-        Row(lambda c, t: c.global_batch is not None, lambda c: f"global_batch={c.global_batch}", SCHEDULED),
+        Row(lambda c, t: c.accum is not None, lambda c: f"accum={c.accum}", lambda c, t: SCHEDULED + f"accum={c.accum}"),
+        Row(lambda c, t: c.global_batch is not None, lambda c: f"global_batch={c.global_batch}",
+            lambda c, t: SCHEDULED + f"global_batch={c.global_batch}"),
     )),
     Entry(lambda c: f"micro_tokens={c.micro_tokens}", lambda c: c.micro_tokens is not None, label="micro_tokens", rows=(
         Row(lambda c, t: c.micro_batch == "auto", "micro_batch=auto", TOKEN_BUDGET.format("micro_batch=auto")),
@@ -79,8 +80,8 @@ TABLE: tuple[Entry, ...] = (
     Entry("micro_batch=auto", lambda c: c.micro_batch == "auto", (
         Row(lambda c, t: c.global_batch is None and c.batch_schedule is None, "global_batch=null", "it keeps the "
             "effective batch while it finds the largest micro-batch that fits: give global_batch=N"),
-        Row(lambda c, t: c.accum is not None, lambda c: f"accum={c.accum}", "micro_batch=auto derives accum from "
-            "global_batch: drop accum"),
+        Row(lambda c, t: c.accum is not None, lambda c: f"accum={c.accum}", lambda c, t: "micro_batch=auto derives "
+            f"accum from global_batch: drop accum={c.accum}"),
     )),
     Entry(lambda c: f"scaling.lr={c.scaling.lr.name}", lambda c: c.scaling.lr is not LRScaling.none, label="scaling.lr",
           rows=(

@@ -1,4 +1,4 @@
-"""The maths of a mixture-of-experts router's balancing over a set of tokens (loss=moe, accutrain.core.moe).
+"""The maths of a mixture-of-experts router's balancing over a set of tokens (loss=moe, accutrain.core.losses.moe).
 
 Switch/Mixtral-style balancing, as Hugging Face's `load_balancing_loss_func` computes it (Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE, …): over the tokens T (padding excluded) and the router layers l = 1…L, pooled,

@@ -34,7 +34,7 @@ class Splits:
     rows: int
     held_out: tuple[Iterable, ...]
     directory: Optional[Path]
-    base: str
+    base: str | Callable[[], str]  # a callable computes it when asked (it hashes every weight: only for a reference)
     save: Callable[[dict, Path], None]
     world: int = 1
     rank: int = 0
@@ -106,7 +106,7 @@ def prepare_table(splits: Splits, logps: Logps, name: str, device: torch.device)
         except Exception as e:  # not one torch.save wrote whole (write_atomic never leaves a partial one)
             raise UserError(f"{path} cannot be read ({type(e).__name__}): remove it, and the resume takes the "
                             "reference log-probabilities again") from None
-        refuse_changes(path, kept, data, splits.base)
+        refuse_changes(path, kept, data, base_of(splits))
         values = dict(zip(kept["keys"], kept["logps"].tolist()))
         return Table(values, str(path)), [f"loss={name}: the reference log-probabilities of {len(values)} sequences "
                                           f"read back from {path} (taken before training; data and base unchanged)"]
@@ -121,11 +121,18 @@ def prepare_table(splits: Splits, logps: Logps, name: str, device: torch.device)
     where = str(path) if path is not None else "memory"
     if path is not None and splits.rank == 0:  # atomically: a run killed while writing it takes it again
         keys = sorted(values)
-        splits.save(dict(data=data, base=splits.base, keys=keys,
+        splits.save(dict(data=data, base=base_of(splits), keys=keys,
                          logps=torch.tensor([values[k] for k in keys], dtype=torch.float64)), path)
     return Table(values, where), [f"loss={name}: loss.reference=precompute took the reference log-probabilities of "
                                   f"{len(values)} sequences in one pass ({time.perf_counter() - start:.1f} s), kept in "
                                   f"{where}; no reference model is held during training"]
+
+
+def base_of(splits: Splits) -> str:
+    """The base's fingerprint (computed once, when first asked)."""
+    if callable(splits.base):
+        splits.base = splits.base()
+    return splits.base
 
 
 def refuse_changes(path: Path, kept: dict, data: dict[str, Any], base: str) -> None:
