@@ -100,7 +100,30 @@ class Loss(Protocol):
         them (loss=moe: the router's balancing loss beside the cross-entropy); {} for none."""
 
 
-class OnePass:
+class Defaults:
+    """The Loss members a family without them takes: no notes, nothing attached or prepared, no figures, summary or
+    components of its own (OnePass and WindowLoss start from it)."""
+
+    def notes(self, batch: Batch) -> list[str]:
+        return []
+
+    def attach(self, model: nn.Module) -> list[str]:
+        return []
+
+    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
+        return []
+
+    def figures(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def summary(self, figures: dict[str, float]) -> str:
+        return ""
+
+    def components(self) -> dict[str, Loss]:
+        return {}
+
+
+class OnePass(Defaults):
     """The window methods of a loss summed per micro-batch (cross-entropy, the per-term losses): a window is
     step.accumulate's one pass, an evaluation the sum of its batches' eval_sums. A subclass gives the maths:
     __call__ (Σ over a micro-batch's terms), terms, eval_sums, empty_eval, eval_metrics, target."""
@@ -133,9 +156,6 @@ class OnePass:
     def probe(self, batch: Batch) -> Batch:
         return batch
 
-    def notes(self, batch: Batch) -> list[str]:
-        return []
-
     def check_targets(self, target: torch.Tensor, data: str) -> None:
         """One line when the data's targets are not what the loss compares the output with."""
 
@@ -158,20 +178,3 @@ class OnePass:
             raise UserError(f"loss={self.name} returned a loss without gradient on the first samples (computed "
                             "under torch.no_grad, detached, or through .item()/numpy): training could not move the "
                             "weights; compute it from the model's output with torch operations")
-
-    def attach(self, model: nn.Module) -> list[str]:
-        return []
-
-    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
-        return []
-
-    def figures(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def summary(self, figures: dict[str, float]) -> str:
-        return ""
-
-    def components(self) -> dict[str, Loss]:
-        return {}
-
-

@@ -20,13 +20,14 @@ from torch import nn
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.embedding_checks import check_distinct
 from accutrain.core.gradcache import accumulate_window_loss, evaluate_window, one_pass
+from accutrain.core.loss import Defaults
 from accutrain.core.precision import Precision
 from accutrain.errors import UserError
 
 Cast = Callable[[torch.Tensor], torch.Tensor]
 
 
-class WindowLoss(abc.ABC):
+class WindowLoss(Defaults, abc.ABC):
     """A family whose sample's loss depends on the whole window. Subclasses give `per_sample(embeddings, rows,
     keys)` — each sample's loss (of `rows`, default all) against every row of `embeddings` (N, R, D) — and may give
     `eval_rows`/`eval_metrics` (default: val_loss over the held-out split as one set) and the traits below."""
@@ -116,9 +117,6 @@ class WindowLoss(abc.ABC):
         views = batch.inputs.shape[1]
         return Batch(batch.inputs.flatten(0, 1), batch.target.repeat_interleave(views, 0), batch.stand_in)
 
-    def notes(self, batch: Batch) -> list[str]:
-        return []
-
     def check(self, model: nn.Module, batch: Batch, data: str) -> None:
         """The pairs reach the model as pairs, an embedding per input, two different texts embedded apart."""
         training = model.training
@@ -135,17 +133,6 @@ class WindowLoss(abc.ABC):
                     "so the accumulated step is NOT the big batch's (for comparison only; loss.window=true is exact)"]
         return []
 
-    def prepare(self, model: nn.Module, splits: Any, device: torch.device, precision: Precision) -> list[str]:
-        return []
-
-    def figures(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def summary(self, figures: dict[str, float]) -> str:
-        return ""
-
-    def components(self) -> dict[str, Any]:
-        return {}
 
 
 def retrieval_sums(scores: torch.Tensor, positive: torch.Tensor) -> list[torch.Tensor]:
