@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import random
 import shlex
@@ -97,6 +98,18 @@ def write_chats(path: Path, n: int, max_length: int, seed: int) -> None:
 def rendered_length(messages: list[dict]) -> int:
     """Tokens of the byte tokenizer's rendering under TEMPLATE (one per byte, one <eos> per assistant turn)."""
     return sum(len(f"<|{m['role']}|>\n{m['content']}\n".encode()) + (m["role"] == "assistant") for m in messages)
+
+
+def lengths(work: Path) -> list[int]:
+    """The records in the order accutrain's windows take them (written to ordered.jsonl for the peers, which read
+    sequentially), and their rendered lengths."""
+    from accutrain.core.windows import epoch_order
+
+    lines = (work / "train.jsonl").read_text().splitlines()
+    order = epoch_order(len(lines), SEED, 0).tolist()
+    if not (work / "ordered.jsonl").exists():
+        (work / "ordered.jsonl").write_text("".join(lines[i] + "\n" for i in order))
+    return [rendered_length(json.loads(lines[i])["messages"]) for i in order]
 
 
 def tokenizer() -> Any:
@@ -252,16 +265,44 @@ def lm_sides(args: argparse.Namespace) -> dict[str, Callable[[Path], dict]]:
             del levers["+ micro_tokens=auto"]
         for name, (m, extra) in levers.items():
             sides[f"accutrain {name}"] = lambda w, m=m, extra=extra: accutrain_side(args, w, m, extra)
-    return sides
+    return chosen(args, sides)
 
 
-def alternate(sides: dict[str, Callable[[Path], dict]], rounds: int, work: Path) -> dict[str, list[dict]]:
-    """Every side `rounds` times, the order reversed every other round."""
+def chosen(args: argparse.Namespace, sides: dict[str, Callable[[Path], dict]]) -> dict[str, Callable[[Path], dict]]:
+    """The sides --only keeps (all without it)."""
+    kept = {k: v for k, v in sides.items() if not args.only or any(text in k for text in args.only)}
+    if not kept:
+        raise SystemExit(f"--only {' '.join(args.only)}: no side's name contains it; the sides: {', '.join(sides)}")
+    return kept
+
+
+def alternate(sides: dict[str, Callable[[Path], dict]], rounds: int, work: Path,
+              argv: Optional[list[str]] = None) -> dict[str, list[dict]]:
+    """Every side `rounds` times, the order reversed every other round; with `argv` (--process-per-side) each run in
+    a fresh process of this script, whose peak is then its own (on the CPU: the child's peak resident set)."""
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for round_ in range(rounds):
         for name in (list(sides) if round_ % 2 == 0 else list(sides)[::-1]):
-            results[name].append(sides[name](work))
+            results[name].append(sides[name](work) if argv is None else in_a_process(argv, name, work))
     return results
+
+
+def in_a_process(argv: list[str], side: str, work: Path) -> dict:
+    """One side in a child process running nothing else: its result (the last line it prints), with the peak of the
+    child's resident set (ru_maxrss, from wait4: this child's alone) where CUDA's allocator gives none."""
+    import subprocess
+
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--one-side", side, "--work", str(work)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"{side}: its process exited with {child.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    if result["peak"] is None:
+        result["peak"] = usage.ru_maxrss / 1024  # KiB on Linux
+    return result
 
 
 def lm_table(args: argparse.Namespace, results: dict[str, list[dict]], n: int) -> list[dict]:
@@ -278,7 +319,7 @@ def lm_table(args: argparse.Namespace, results: dict[str, list[dict]], n: int) -
         if best is not None and sum(r["side"].startswith(family) for r in rows) > 1:
             best["side"] += " *"
     width = max(len(r["side"]) for r in rows) + 2
-    peak_name = "peak MiB"
+    peak_name = "peak RSS MiB" if args.device == "cpu" else "peak MiB"
     print(f"{'side':<{width}}{'input tokens/s':>15}{peak_name:>17}{'MFU':>8}{'first loss':>12}{'last loss':>12}")
     for r in rows:
         peak = f"{r['peak']:,.0f}" if r["peak"] is not None else "n/a"
@@ -293,22 +334,25 @@ def lm_table(args: argparse.Namespace, results: dict[str, list[dict]], n: int) -
     return rows
 
 
-def vision(args: argparse.Namespace, work: Path) -> list[dict]:
+def vision_shape(args: argparse.Namespace) -> tuple[str, int, int, int, int, int]:
+    """model, image size, micro-batch, accum, steps, warm-up steps."""
+    return ("resnet18", 32, 4, 2, 10, 3) if args.tiny else ("resnet50", 224, args.vision_micro, 4, 24, 4)
+
+
+def vision_sides(args: argparse.Namespace) -> dict[str, Callable[[Path], dict]]:
     """resnet50 (224 px; `--tiny`: resnet18 at 32 px) on accutrain's synthetic images: accutrain against a
     hand-written accumulation loop over the same data, model, micro-batch × accum, SGD and precision."""
     import torchvision
 
     from accutrain.data.datasets import synthetic
 
-    name, size, micro, accum, steps, warmup = ("resnet18", 32, 4, 2, 10, 3) if args.tiny else \
-        ("resnet50", 224, args.vision_micro, 4, 24, 4)
+    name, size, micro, accum, steps, warmup = vision_shape(args)
     n = micro * accum * steps
     data = ["data=synthetic", f"data.size={n}", "data.val_size=8", f"data.image_size={size}", "data.num_classes=1000"]
     precision = "bf16-mixed" if args.bf16 else "32"
-    dtype = "bf16" if args.bf16 else "float32"
 
     def accutrain_run(channels_last: bool) -> Callable[[Path], dict]:
-        def go(_: Path) -> dict:
+        def go(work: Path) -> dict:
             peak_reset(args.device)
             steps_ = run_accutrain([f"model={name}", "model.small_input=false",  # torchvision's stem, as by hand
                                     *data, f"micro_batch={micro}", f"accum={accum}", "optim=sgd",
@@ -354,16 +398,22 @@ def vision(args: argparse.Namespace, work: Path) -> list[dict]:
                         peak=peak_mib(args.device))
         return go
 
-    sides = {"accutrain, channels_last": accutrain_run(True), "hand loop, channels_last": hand_loop(True),
-             "accutrain, contiguous": accutrain_run(False), "hand loop, contiguous": hand_loop(False)}
-    results = alternate(sides, args.rounds, work)
+    return chosen(args, {"accutrain, channels_last": accutrain_run(True), "hand loop, channels_last": hand_loop(True),
+                         "accutrain, contiguous": accutrain_run(False), "hand loop, contiguous": hand_loop(False)})
+
+
+def vision(args: argparse.Namespace, work: Path, child_argv: Optional[list[str]]) -> list[dict]:
+    """The vision sides alternated; their table."""
+    name, size, micro, accum, steps, warmup = vision_shape(args)
+    dtype = "bf16" if args.bf16 else "float32"
+    results = alternate(vision_sides(args), args.rounds, work, child_argv)
     print(f"{name} at {size} px, micro_batch {micro} × accum {accum}, {dtype}, SGD, {steps} steps ({warmup} "
           f"warm-up), {args.rounds} round(s)")
     rate = {side: statistics.median(r["images_s"] for r in runs) for side, runs in results.items()}
     rows = []
     print(f"{'side':<28}{'images/s':>10}{'× hand loop':>13}{'peak MiB':>10}   (× the hand loop of the same format)")
     for side, runs in results.items():
-        hand = rate["hand loop, " + side.split(", ")[1]]
+        hand = rate.get("hand loop, " + side.split(", ")[1], math.nan)
         peak = max((r["peak"] for r in runs if r["peak"] is not None), default=None)
         rows.append(dict(side=side, images_s=rate[side], vs_hand=rate[side] / hand, peak=peak))
         print(f"{side:<28}{rate[side]:>10,.1f}{rate[side] / hand:>13.3f}"
@@ -386,6 +436,15 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--levers", action="store_true", help="add accutrain with one speed lever at a time")
     p.add_argument("--vision", action="store_true", help="resnet50 against a hand-written loop instead")
     p.add_argument("--vision-micro", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=None, help="the model's vocabulary (the shape's default)")
+    p.add_argument("--global-batch", type=int, default=None, help="records per optimizer step (the shape's default)")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="keep the sides whose name contains TEXT (repeatable)")
+    p.add_argument("--process-per-side", action="store_true",
+                   help="each side's every run in a fresh process: its peak is its own (on the CPU: the process's "
+                        "peak resident set)")
+    p.add_argument("--one-side", default=None, help=argparse.SUPPRESS)  # a child of --process-per-side
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="more accutrain overrides for every accutrain run")
     args = p.parse_args(argv)
     if args.tiny:
@@ -433,23 +492,27 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    if args.one_side:  # a child of --process-per-side: one side, its result as the last line
+        work = Path(args.work)
+        if not args.vision:
+            args.lengths = lengths(work)
+        result = (vision_sides(args) if args.vision else lm_sides(args))[args.one_side](work)
+        print(json.dumps({k: v for k, v in result.items()}))
+        return [result]
+    # each side's process gets the same arguments (argv, or the command line's)
+    child_argv = (sys.argv[1:] if argv is None else list(argv)) if args.process_per_side else None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.vision:
-            rows = vision(args, work)
+            rows = vision(args, work, child_argv)
         else:
-            from accutrain.core.windows import epoch_order
-
             args.records = max(args.records, args.global_batch * args.steps)
             write_chats(work / "train.jsonl", args.records, args.max_length, seed=SEED)
             write_chats(work / "val.jsonl", 2, args.max_length, seed=SEED + 1)
             (work / "template.jinja").write_text(TEMPLATE)
-            lines = (work / "train.jsonl").read_text().splitlines()
-            order = epoch_order(len(lines), SEED, 0).tolist()  # the records in the order accutrain's windows take
-            (work / "ordered.jsonl").write_text("".join(lines[i] + "\n" for i in order))
-            args.lengths = [rendered_length(json.loads(lines[i])["messages"]) for i in order]
+            args.lengths = lengths(work)
             n = base_model(args, work / "base")
-            results = alternate(lm_sides(args), args.rounds, work)
+            results = alternate(lm_sides(args), args.rounds, work, child_argv)
             print(f"llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
                   f"intermediate {args.intermediate}, vocabulary {args.vocab} ({n:,} parameters less the input "
                   f"embedding); LoRA r=16 on {len(TARGETS)} projections, {'bf16' if args.bf16 else 'float32'}, "

@@ -23,6 +23,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from accutrain.config.train import compose as compose_config
 from accutrain.config.validate import typed_run
@@ -310,3 +313,24 @@ def make_image_folder(root, classes=("cat", "dog", "owl"), train=6, val=2, size=
                 pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i}.png")
     return root
+
+
+class LiveTensors(TorchDispatchMode):
+    """The bytes of tensor storage alive at once at most, and the largest tensor, over every operation run under it
+    (forward and backward): what a micro-batch holds, whatever the allocator caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                self.largest = max(self.largest, storage.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out

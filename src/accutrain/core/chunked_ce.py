@@ -2,12 +2,12 @@
 computed, reduced and differentiated a chunk of tokens at a time, so no chunk's logits outlive it.
 
 A causal LM's micro-batch of N tokens and a vocabulary of V classes holds N × V logits (in float32 for the loss),
-their softmax and their gradient: at 16,384 tokens and 152k classes, 10 GB each. Here each chunk of c tokens
-(c × V about the size of the hidden states, N × width) gets its logits, their log-sum-exp, its loss terms and — in
-the same forward, as Liger Kernel's fused kernel does — its gradients with respect to the hidden states and the
-head, then the chunk's logits are freed; backward only scales those gradients by the incoming one. The sum is
-F.cross_entropy's (reduction="sum", ignore_index, label_smoothing), per token or weighted per token (a sequence's
-mean), so `core.summing` takes a Projection wherever it takes logits, with the same terms and the same count.
+their softmax and their gradient: at 16,384 tokens and 152k classes, 10 GB each. Here each chunk of c tokens (c × V about the size of the
+hidden states, N × width) gets its logits, their log-sum-exp, its loss terms and — in the same forward, as Liger
+Kernel's fused kernel does — its gradients with respect to the hidden states and the head, then the chunk's logits
+are freed; backward only scales those gradients by the incoming one. The sum is F.cross_entropy's
+(reduction="sum", ignore_index, label_smoothing), per token or weighted per token (a sequence's mean), so
+`core.summing` takes a Projection wherever it takes logits, with the same terms and the same count.
 """
 from __future__ import annotations
 
@@ -101,6 +101,27 @@ def linear_cross_entropy_sums(projection: Projection, target: torch.Tensor, igno
     return torch.stack([loss, correct, (target != ignore_index).sum().double()])
 
 
+def chunk_terms(z: torch.Tensor, t: torch.Tensor, weights: Optional[torch.Tensor], ignore_index: int,
+                smoothing: float, gradient: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Σ_i w_i × CE(z_i, t_i) over a chunk's rows of logits z (the loss's dtype; overwritten when `gradient`), and
+    with `gradient` its gradient with respect to z, in z's memory: w_i × (softmax(z_i) − the smoothed one-hot)."""
+    counted = t != ignore_index
+    scale = counted.to(z.dtype) if weights is None else counted * weights
+    picked = t.masked_fill(~counted, 0)
+    lse = torch.logsumexp(z, 1)
+    losses = lse - z.gather(1, picked[:, None]).squeeze(1)  # -log p(target)
+    if smoothing:  # F.cross_entropy's: (1 - ε) × nll + ε × mean over classes of -log p
+        losses = (1 - smoothing) * losses + smoothing * (lse - z.mean(1))
+    total = (losses * scale).sum()
+    if not gradient:
+        return total, None
+    g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the chunk's logits
+    g.scatter_add_(1, picked[:, None], torch.full_like(lse, smoothing - 1)[:, None])
+    if smoothing:
+        g.sub_(smoothing / z.shape[1])
+    return total, g.mul_(scale[:, None])
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Σ_i w_i × CE(hidden_i @ weight.T + bias, target_i), its gradients computed chunk by chunk in forward."""
 
@@ -121,21 +142,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             compute = logits.dtype
             z = logits.to(dtype)
             del logits
-            counted = t != ignore_index
-            scale = counted.float() if weights is None else counted * weights[start : start + step]
-            picked = t.masked_fill(~counted, 0)
-            lse = torch.logsumexp(z, 1)
-            losses = lse - z.gather(1, picked[:, None]).squeeze(1)  # -log p(target)
-            if smoothing:  # F.cross_entropy's: (1 - ε) × nll + ε × mean over classes of -log p
-                losses = (1 - smoothing) * losses + smoothing * (lse - z.mean(1))
-            total += (losses * scale).sum()
-            if not any(grads):
+            part, g = chunk_terms(z, t, None if weights is None else weights[start : start + step], ignore_index,
+                                  smoothing, any(grads))
+            total += part
+            if g is None:
                 continue
-            g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the chunk's logits
-            g.scatter_add_(1, picked[:, None], torch.full_like(lse, smoothing - 1)[:, None])
-            if smoothing:
-                g.sub_(smoothing / classes)
-            g.mul_(scale[:, None])
             g = g.to(compute)
             if grads[0]:
                 grad_hidden[start : start + step] = g @ weight.to(compute)
@@ -154,3 +165,4 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         out = [(next(saved) * grad_output).to(dtype) if present else None
                for present, dtype in zip(ctx.present, ctx.dtypes)]
         return (*out, None, None, None, None)
+

@@ -21,6 +21,7 @@ from torch import nn
 
 from accutrain.core.batches import Batch, as_batch, stand_in_guard
 from accutrain.core.compiled import eager
+from accutrain.core.full_ce import logits_given_up
 from accutrain.core.plan import ceil_div
 from accutrain.core.precision import Precision, make_precision
 from accutrain.core.summing import cross_entropy_sums, summed_cross_entropy
@@ -101,7 +102,9 @@ def accumulate(
                 batch = batch.to(device)
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
-            loss_sum = loss(logits, batch.target)  # Σ_{i in b} loss_i
+            with logits_given_up():  # read no more: full logits' memory may take their gradient (core/full_ce.py)
+                loss_sum = loss(logits, batch.target)  # Σ_{i in b} loss_i
+            del logits  # what the backward needs, the graph holds
             precision.backward(loss_sum, 0.0 if batch.stand_in else scale)  # ∇ scale × Σ_{i in b} loss_i into .grad
             if observe is not None:
                 observe(len(batch))

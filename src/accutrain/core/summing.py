@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from accutrain.core.batches import Batch, as_batch
 from accutrain.core.chunked_ce import Projection, linear_cross_entropy_sums, summed_linear_cross_entropy
+from accutrain.core.full_ce import summed_rows_cross_entropy
 
 
 def summed_cross_entropy(logits: torch.Tensor | Projection, target: torch.Tensor, ignore_index: int = -100,
@@ -22,11 +23,12 @@ def summed_cross_entropy(logits: torch.Tensor | Projection, target: torch.Tensor
     sample's count is its own, so the sum is the same however the samples are grouped. A Projection (hidden states
     and a linear head) gives the same sum without its full logits (core/chunked_ce.py)."""
     if isinstance(logits, Projection):
-        weights = None
-        if per_sequence:
-            counted = (target != ignore_index).sum(1, keepdim=True).clamp(min=1)
-            weights = (1.0 / counted.to(torch.promote_types(logits.hidden.dtype, torch.float32))).expand(target.shape)
+        weights = sequence_weights(target, ignore_index, logits.hidden.dtype) if per_sequence else None
         return summed_linear_cross_entropy(logits, target, ignore_index, label_smoothing, weights)
+    rows = class_rows(logits, target)
+    if rows is not None:  # a language model's full logits: chunk by chunk, not kept for the backward
+        weights = sequence_weights(target, ignore_index, logits.dtype).reshape(-1) if per_sequence else None
+        return summed_rows_cross_entropy(rows, target.reshape(-1), ignore_index, label_smoothing, weights)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if not per_sequence:
@@ -37,6 +39,23 @@ def summed_cross_entropy(logits: torch.Tensor | Projection, target: torch.Tensor
     dims = tuple(range(1, per_element.dim()))
     counted = (target != ignore_index).sum(dims).clamp(min=1)  # padding and masked prompts carry ignore_index
     return (per_element.sum(dims) / counted).sum()
+
+
+def class_rows(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+    """Per-element logits (N, C, d…) whose classes are the innermost dimension in memory (a language model's
+    (batch, length, classes) seen as (batch, classes, length)) with class-index targets, as a view of rows
+    (N·d…, C); else None."""
+    if logits.dim() < 3 or target.is_floating_point():
+        return None
+    last = logits.movedim(1, -1)
+    return last.reshape(-1, logits.shape[1]) if last.is_contiguous() else None
+
+
+def sequence_weights(target: torch.Tensor, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
+    """1 / (sample's counted elements) for each element of the targets (loss.normalize=sequences), float32 at least."""
+    counted = (target != ignore_index).flatten(1).sum(1).clamp(min=1)
+    weights = 1.0 / counted.to(torch.promote_types(dtype, torch.float32))
+    return weights.reshape(-1, *[1] * (target.dim() - 1)).expand(target.shape)
 
 
 def cross_entropy_sums(logits: torch.Tensor | Projection, target: torch.Tensor, ignore_index: int = -100

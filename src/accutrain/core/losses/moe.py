@@ -34,6 +34,7 @@ from torch import nn
 
 from accutrain.core.batches import Batch, stand_in_guard
 from accutrain.core.compiled import eager
+from accutrain.core.full_ce import logits_given_up
 from accutrain.core.gradcache import on, set_rng
 from accutrain.core.losses.cross_entropy import SummedLoss, make_loss
 from accutrain.core.losses.moe_checks import check_router, routing_of
@@ -111,7 +112,9 @@ class RouterBalancedLoss:
                     set_rng(next(replay), device)  # the k-th real micro-batch of pass 2 is pass 1's k-th
                 with precision.autocast():
                     logits, aux = outputs(model, batch, precision.inputs, self.wanted)
-                ce_sum = self.ce(logits, batch.target)
+                with logits_given_up():  # read no more (core/full_ce.py)
+                    ce_sum = self.ce(logits, batch.target)
+                del logits
                 objective, seen = self.objective(ce_sum, aux, batch, counted, scale, world)
                 precision.backward(objective, 0.0 if batch.stand_in else 1.0)
                 if observe is not None:
