@@ -12,8 +12,10 @@ data.padding=free; TRL with padding_free where flash-attention is there for it (
 would attend across documents without it) and Liger Kernel on CUDA where installed (accutrain: model.kernels=liger).
 
 Reported, the median over rounds: input tokens/s (real tokens, padding excluded, from the end of the warm-up steps to
-the end of the last), peak memory (torch.cuda.max_memory_allocated; n/a on the CPU, where the sides share one process
-and its allocator: no figure there would be one side's own), model FLOPs utilisation =
+the end of the last), peak memory (torch.cuda.max_memory_allocated; on the CPU with `--process-per-side`, where each
+side's every run is a fresh process of this script running nothing else, that process's peak resident set — its
+imports, model, data and allocator included, as a user's `top` would see it — and n/a without it, where the sides
+share one process and its allocator: no figure there would be one side's own), model FLOPs utilisation =
 tokens/s × (4 + 2·[activation checkpointing]) × N / peak FLOPs, N the base model's parameters less the input
 embedding (a lookup; LoRA's own are negligible: frozen base, ≈ 2N forward + 2N backward for the activations'
 gradients, no weight gradients, +2N to recompute the forward), and the first and last step's loss (the first step
@@ -22,6 +24,9 @@ is the same weights on the same window: equal on every side; the last drifts wit
 `--vision` compares resnet50 (224 px, bf16; channels_last and contiguous) with a hand-written accumulation loop.
 
     python scripts/compare_lm_peers.py --tiny                         # the CPU, seconds: the harness (tested)
+    python scripts/compare_lm_peers.py --shape small --vocab 32000 --global-batch 8 --micro hf=2 --micro accutrain=1024 \
+        --levers --only "accutrain micro_tokens" --only HF --only plain --only "chunked logits" --process-per-side
+                                                                      # the CPU: full logits' peak beside the Trainer's
     python scripts/compare_lm_peers.py --device cuda --shape 0.5b     # Qwen2-0.5B-like
     python scripts/compare_lm_peers.py --device cuda --shape 1.5b     # Qwen2-1.5B-like
     python scripts/compare_lm_peers.py --device cuda --shape 0.5b --levers
@@ -312,6 +317,7 @@ def lm_table(args: argparse.Namespace, results: dict[str, list[dict]], n: int) -
         tokens_s = statistics.median(r["tokens_s"] for r in runs)
         peaks = [r["peak"] for r in runs if r["peak"] is not None]
         rows.append(dict(side=name, tokens_s=tokens_s, peak=max(peaks) if peaks else None,
+                         least=min(peaks) if peaks else None,
                          mfu=tokens_s * flops / (args.peak_tflops * 1e12) if args.peak_tflops else None,
                          first=runs[-1]["first"], last=runs[-1]["last"], tokens=runs[-1]["tokens"]))
     for family in ("accutrain micro_tokens", "HF Trainer", "TRL"):
@@ -322,7 +328,8 @@ def lm_table(args: argparse.Namespace, results: dict[str, list[dict]], n: int) -
     peak_name = "peak RSS MiB" if args.device == "cpu" else "peak MiB"
     print(f"{'side':<{width}}{'input tokens/s':>15}{peak_name:>17}{'MFU':>8}{'first loss':>12}{'last loss':>12}")
     for r in rows:
-        peak = f"{r['peak']:,.0f}" if r["peak"] is not None else "n/a"
+        peak = "n/a" if r["peak"] is None else f"{r['peak']:,.0f}" if round(r["least"]) == round(r["peak"]) else \
+            f"{r['least']:,.0f}–{r['peak']:,.0f}"  # the rounds' range
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         print(f"{r['side']:<{width}}{r['tokens_s']:>15,.0f}{peak:>17}{mfu:>8}{r['first']:>12.6f}{r['last']:>12.6f}")
     if any(r["tokens"] != rows[0]["tokens"] for r in rows if not r["side"].startswith("accutrain +")):

@@ -21,13 +21,14 @@ def script() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_tiny_peers_train_the_same_windows_and_print_a_row_each(capsys: pytest.CaptureFixture) -> None:
+def test_tiny_peers_train_the_same_windows_each_in_its_process_and_print_a_row_each(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("trl", reason="the peers extra: pip install -e '.[peers]'")
-    rows = script().main(["--tiny"])
+    rows = script().main(["--tiny", "--process-per-side"])  # each side in a process of its own: its own peak
     out = capsys.readouterr().out
     assert [r["side"].split()[0] for r in rows] == ["accutrain", "HF", "TRL"]
+    assert "peak RSS MiB" in out
     for row in rows:
-        assert row["tokens_s"] > 0 and row["side"] in out, row
+        assert row["tokens_s"] > 0 and row["side"] in out and 100 < row["peak"] < 16_000, row
     assert "command: python" in out and "--tiny" in out
     # the same windows: the same real tokens per optimizer step on every side (accutrain's counted, the peers' read
     # from the records in accutrain's order), and the same first loss (the same weights on the same window)

@@ -19,9 +19,9 @@ from accutrain.core.plan import ceil_div
 
 
 def rows_per_chunk(rows: int, classes: int) -> int:
-    """Rows of full logits per chunk: a chunk of at most 2^22 logits or a sixteenth of them (so at most 16 chunks),
-    whichever is larger, at least one row."""
-    return max(1, max(1 << 22, ceil_div(rows * classes, 16)) // classes)
+    """Rows of full logits per chunk: a chunk of at most 2^20 logits (4 MiB in float32) or a 32nd of them (so at most
+    32 chunks, each a few operations), whichever is larger, at least one row."""
+    return max(1, max(1 << 20, ceil_div(rows * classes, 32)) // classes)
 
 
 def summed_rows_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
