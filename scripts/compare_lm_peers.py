@@ -501,6 +501,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     if args.one_side:  # a child of --process-per-side: one side, its result as the last line
         work = Path(args.work)
+        if args.device == "cpu":  # accutrain restarts the kernel's peak RSS each window (its per-step figure), which
+            from accutrain.train import memory  # would leave wait4 the last window's: kept whole, as the peers' is
+
+            memory._PEAK_RSS.reset = lambda: False
+            memory._PEAK_RSS.rusage_follows = False  # and no probe of the reset
         if not args.vision:
             args.lengths = lengths(work)
         result = (vision_sides(args) if args.vision else lm_sides(args))[args.one_side](work)

@@ -47,3 +47,11 @@ def tune_malloc() -> str:
     return (f"glibc {version} malloc tuned for training on the CPU (trainer.tune_malloc)\n"
             "mmap and trim thresholds raised to 1 GiB, so freed activations stay in the heap for the next "
             "micro-batch (trainer.tune_malloc=false keeps glibc's defaults)")
+
+
+def release_heap() -> None:
+    """Give the heap's free memory back to the OS (glibc's malloc_trim) once training is over: tune_malloc kept it for
+    a next micro-batch that will not come, and the final evaluation, export and plot would add to it. Nothing where
+    the C library is not glibc."""
+    if glibc_version() is not None:
+        ctypes.CDLL(None).malloc_trim(0)

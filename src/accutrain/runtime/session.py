@@ -17,6 +17,7 @@ from accutrain.report.runs import RunRow, read_run
 from accutrain.runtime.checkpoints import Checkpoints, warn_if_disk_is_short
 from accutrain.runtime.cpu import prepare as prepare_cpu
 from accutrain.runtime.export import export, export_if_missing
+from accutrain.runtime.malloc import release_heap
 from accutrain.signals import StopRequest, signal_numbers
 from accutrain.store import owned
 from accutrain.store.classes import record
@@ -77,6 +78,7 @@ def train_rank(world: World, cfg: TrainConfig, run_dir: Path, device: torch.devi
     try:
         with StopRequest(announce=world.main, signals=signal_numbers(cfg.trainer.preempt_signals)) as stop:
             out = fit(parts, metrics, progress, save, stop)
+        release_heap()  # what the loop kept for its next micro-batch: the process's peak is not its plus what follows
         if not out.stopped_by:  # the run's end: export the last weights, then test with them and the best ones
             if world.main and cfg.trainer.export:
                 export(parts, run_dir, out.progress.step)
