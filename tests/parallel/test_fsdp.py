@@ -71,8 +71,9 @@ def saved(run_dir: Path, name: str = "last") -> dict:
     if path.is_dir():  # PyTorch's own converter, no process group needed
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        dcp_to_torch_save(path, run_dir / f"{name}-whole.pt")
-        return torch.load(run_dir / f"{name}-whole.pt", weights_only=True)
+        whole = run_dir.parent / f"{run_dir.name}-{name}-whole.pt"  # beside the run: its directory stays its own
+        dcp_to_torch_save(path, whole)
+        return torch.load(whole, weights_only=True)
     return torch.load(path.with_suffix(".pt"), weights_only=True)
 
 
@@ -340,9 +341,9 @@ def test_a_hugging_face_model_under_fsdp_resumes_bit_identically(tmp_path, fmt):
             f"data.train={lines}", "data.val_fraction=0.1", "data.max_length=64", "optim=adamw", "trainer.epochs=2",
             "micro_batch=4", "accum=2", "devices=2", "strategy=fsdp", f"strategy.checkpoint={fmt}",
             "trainer.checkpoint_every=1", "trainer.keep_checkpoints=20", "trainer.progress=false"]
-    reference, _ = train_here(tmp_path, "reference", *args)
-    train_here(tmp_path, "run", *args)
-    rewind(tmp_path / "run", 3)
+    run, _ = train_here(tmp_path, "run", *args)
+    uninterrupted = saved(run)["model"]  # how the run ended before it was made to look killed
+    rewind(run, 3)
     resumed, proc = train_run(tmp_path, "run", *args, "resume=auto")  # the CLI: rank 0's log is its stderr
     assert "at optimizer step 3" in proc.stderr
-    assert_identical(saved(resumed)["model"], saved(reference)["model"])
+    assert_identical(saved(resumed)["model"], uninterrupted)

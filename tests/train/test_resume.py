@@ -124,9 +124,9 @@ def test_sigterm_during_a_sweep_writes_the_summary_and_gives_the_sweeps_resume_c
 
 
 def test_resume_auto_falls_back_past_a_corrupt_checkpoint(slow):
-    reference, _ = train_here(slow, "reference", *RUN)
-    train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")
-    ckpts = rewind(slow / "run", 5)
+    run, _ = train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")
+    uninterrupted = final_weights(run)  # how the run ended before it was made to look killed
+    ckpts = rewind(run, 5)
     bad = ckpts / "step-00000006.pt"  # a newer file cut short: the run must not trust it
     good = ckpts / "step-00000005.pt"
     bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
@@ -134,7 +134,7 @@ def test_resume_auto_falls_back_past_a_corrupt_checkpoint(slow):
     assert "step-00000006.pt is truncated or corrupt" in log
     assert "falling back to the previous checkpoint (step-00000005.pt)" in log
     assert "resumed from" in log and "at optimizer step 5" in log
-    assert_identical(final_weights(resumed), final_weights(reference))
+    assert_identical(final_weights(resumed), uninterrupted)
 
 
 def test_resume_with_a_loader_worker_after_an_evaluation_is_bit_identical(slow):
@@ -142,22 +142,22 @@ def test_resume_with_a_loader_worker_after_an_evaluation_is_bit_identical(slow):
     the uninterrupted run (step 4) but at the first one after the resume (step 8) of a run resumed at step 5. That
     iterator's worker seed must come from a generator of its own, not from the global RNG that dropout draws from."""
     args = [*RUN, "loader.num_workers=1"]
-    reference, _ = train_here(slow, "reference", *args)
-    train_here(slow, "run", *args, "trainer.keep_checkpoints=20")
-    rewind(slow / "run", 5)  # after the evaluation at the end of epoch 1, before the one of epoch 2
+    run, _ = train_here(slow, "run", *args, "trainer.keep_checkpoints=20")
+    uninterrupted, losses = final_weights(run), [r["loss"] for r in read_metrics(run)[0]]
+    rewind(run, 5)  # after the evaluation at the end of epoch 1, before the one of epoch 2
     resumed, log = train_here(slow, "run", *args, "resume=auto")
     assert "at optimizer step 5" in log
-    assert_identical(final_weights(resumed), final_weights(reference))
-    assert [r["loss"] for r in read_metrics(resumed)[0]] == [r["loss"] for r in read_metrics(reference)[0]]
+    assert_identical(final_weights(resumed), uninterrupted)
+    assert [r["loss"] for r in read_metrics(resumed)[0]] == losses
 
 
 def test_resume_with_another_split_of_the_same_effective_batch(slow):
-    reference, _ = train_here(slow, "reference", *RUN)
-    train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")
-    rewind(slow / "run", 5)
+    run, _ = train_here(slow, "run", *RUN, "trainer.keep_checkpoints=20")
+    uninterrupted = final_weights(run)
+    rewind(run, 5)
     resumed, log = train_here(slow, "run", *RUN, "micro_batch=4", "accum=8", "resume=auto")
     assert "resuming with micro_batch 4 × accum 8 × devices 1 (the checkpoint's run used 8 × 4 × 1)" in log
-    for key, value in final_weights(reference).items():  # same windows; only the float summation order differs
+    for key, value in uninterrupted.items():  # same windows; only the float summation order differs
         torch.testing.assert_close(final_weights(resumed)[key], value, rtol=1e-5, atol=1e-6)
 
 
