@@ -267,10 +267,10 @@ HOST_MEMORY = {
     # 4,096 images of 3×96×96 (108 KiB each, generated per sample) in the big window: 432 MiB a held window would add.
     "samples": ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.size=4100", "data.val_size=16",
                 "data.image_size=96", "data.channels=3"],
-    # loss=contrastive, 4,096 pairs of 3×96×96 views in the big window: 864 MiB if pass 2 kept the window's inputs
+    # loss=contrastive, 4,096 pairs of 3×64×64 views in the big window: 384 MiB if pass 2 kept the window's inputs
     # (it reads them again from the sampler); its embeddings (4,096 × 2 × 10 floats) are all that grows.
     "pairs": ["model=mlp", "model.hidden=[16]", "data=synthetic", "data.size=4100", "data.val_size=16",
-              "data.image_size=96", "data.channels=3", "loss=contrastive", "augment.views=2", "augment=crop_flip"],
+              "data.image_size=64", "data.channels=3", "loss=contrastive", "augment.views=2", "augment=crop_flip"],
     # 4,096 sequences of 1,024 tokens, counted per token: a loss kept per micro-batch would add ~400 MiB.
     "tokens": ["data=sequences", "data.size=4100", "data.val_size=16", "data.min_length=1024",
                "data.max_length=1024", "model=custom", "model._target_=tokmodel.Net", "loss.normalize=tokens"],
