@@ -114,6 +114,16 @@ def test_importing_the_loop_loads_neither_hydra_nor_omegaconf():
     assert loaded.strip() == "[]", loaded
 
 
+def test_a_run_that_does_not_shard_never_loads_distributed_checkpoint():
+    """PyTorch's distributed checkpoint and state dicts (DCP, DTensor: ~0.8 s of every process's start) are FSDP's:
+    the launch, the session, the loop and the strategies load them only when a sharded run asks."""
+    code = ("import sys, accutrain.runtime.launch, accutrain.runtime.session, accutrain.train.loop, "
+            "accutrain.parallel.strategy\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded
+
+
 # A `_target_` compared by name, or by module prefix: what only the config's registries (accutrain.config.families,
 # model_traits) and the families' own specs in core/ may do.
 DISPATCH = re.compile(r"""\.target\s*[!=]=|\.target\.(?:endswith|startswith)\(|startswith\(["']accutrain\.|"""
