@@ -160,3 +160,45 @@ def test_a_soft_capped_models_logits_take_their_gradient_exactly():
     loss.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+class TinyLM(torch.nn.Module):
+    """Full logits (batch, classes, length) from an embedding and a head: a language model's layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed, self.head = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+    def forward(self, x):
+        return self.head(self.embed(x)).transpose(1, 2)
+
+
+def test_the_step_gives_up_the_logits_only_to_a_loss_that_reads_them_once():
+    from accutrain.core.losses.cross_entropy import SummedLoss
+    from accutrain.core.step import accumulate
+
+    torch.manual_seed(5)
+    batches = [(torch.randint(50, (2, 12)), torch.randint(50, (2, 12))) for _ in range(3)]
+    terms = sum(t.numel() for _, t in batches)
+    reference = TinyLM()
+    sum(F.cross_entropy(reference(x), y, reduction="sum") for x, y in batches).div(terms).backward()
+
+    def grads_after(loss):
+        model = TinyLM()
+        accumulate(model, batches, terms, torch.device("cpu"), loss=loss)
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    seen = []
+
+    def users_loss(logits, target):  # a user's: a cross-entropy of the logits, then the logits read again
+        before = logits.detach().clone()
+        total = summed_cross_entropy(logits, target)
+        seen.append(torch.equal(logits.detach(), before))
+        return total + 0.0 * logits.sum()
+
+    assert SummedLoss.reads_logits_once and not getattr(users_loss, "reads_logits_once", False)
+    for loss in (SummedLoss(elements=True), users_loss):
+        for name, grad in grads_after(loss).items():
+            torch.testing.assert_close(grad, dict(reference.named_parameters())[name].grad, msg=name)
+    assert seen == [True, True, True]  # never written under a loss that did not say it reads them once

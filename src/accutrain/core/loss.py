@@ -104,6 +104,11 @@ class Defaults:
     """The Loss members a family without them takes: no notes, nothing attached or prepared, no figures, summary or
     components of its own (OnePass and WindowLoss start from it)."""
 
+    # True where the loss reads a micro-batch's logits once and hands nothing of them on: the step may then let the
+    # full logits' memory take their gradient (core/full_ce.py). A loss that reads them again after a cross-entropy
+    # of them (a user's subclass adding a term of the logits) keeps False.
+    reads_logits_once = False
+
     def notes(self, batch: Batch) -> list[str]:
         return []
 

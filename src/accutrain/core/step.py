@@ -93,6 +93,7 @@ def accumulate(
     gradient.
     """
     precision = precision or FP32
+    given_up = logits_given_up if getattr(loss, "reads_logits_once", False) else nullcontext
     scale = world / terms  # DDP averages the ranks' gradients: × world undoes that mean
     total = torch.zeros((), dtype=torch.float64, device=device)  # Σ loss over this rank's micro-batches
     for batch, synchronises in micro_steps(micro_batches):
@@ -102,7 +103,7 @@ def accumulate(
                 batch = batch.to(device)
             with precision.autocast():
                 logits = batch.forward(model, precision.inputs)
-            with logits_given_up():  # read no more: full logits' memory may take their gradient (core/full_ce.py)
+            with given_up():  # read no more: full logits' memory may take their gradient (core/full_ce.py)
                 loss_sum = loss(logits, batch.target)  # Σ_{i in b} loss_i
             del logits  # what the backward needs, the graph holds
             precision.backward(loss_sum, 0.0 if batch.stand_in else scale)  # ∇ scale × Σ_{i in b} loss_i into .grad

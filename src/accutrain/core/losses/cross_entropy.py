@@ -30,6 +30,7 @@ class SummedLoss(OnePass):
 
     name = "cross_entropy"
     task = "classification"
+    reads_logits_once = True  # the step may give the logits up to their gradient (core/full_ce.py)
 
     def target(self, labels: torch.Tensor) -> torch.Tensor:
         """The targets the loss compares the logits with."""
