@@ -24,8 +24,9 @@ is the same weights on the same window: equal on every side; the last drifts wit
 `--vision` compares resnet50 (224 px, bf16; channels_last and contiguous) with a hand-written accumulation loop.
 
     python scripts/compare_lm_peers.py --tiny                         # the CPU, seconds: the harness (tested)
-    python scripts/compare_lm_peers.py --shape small --vocab 32000 --global-batch 8 --micro hf=2 --micro accutrain=1024 \
-        --levers --only "accutrain micro_tokens" --only HF --only plain --only "chunked logits" --process-per-side
+    python scripts/compare_lm_peers.py --shape small --vocab 32000 --global-batch 8 --micro hf=2 \
+        --micro accutrain=1024 --levers --only "accutrain micro_tokens" --only HF --only plain \
+        --only "chunked logits" --process-per-side --rounds 5
                                                                       # the CPU: full logits' peak beside the Trainer's
     python scripts/compare_lm_peers.py --device cuda --shape 0.5b     # Qwen2-0.5B-like
     python scripts/compare_lm_peers.py --device cuda --shape 1.5b     # Qwen2-1.5B-like

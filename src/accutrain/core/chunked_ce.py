@@ -2,12 +2,12 @@
 computed, reduced and differentiated a chunk of tokens at a time, so no chunk's logits outlive it.
 
 A causal LM's micro-batch of N tokens and a vocabulary of V classes holds N × V logits (in float32 for the loss),
-their softmax and their gradient: at 16,384 tokens and 152k classes, 10 GB each. Here each chunk of c tokens (c × V about the size of the
-hidden states, N × width) gets its logits, their log-sum-exp, its loss terms and — in the same forward, as Liger
-Kernel's fused kernel does — its gradients with respect to the hidden states and the head, then the chunk's logits
-are freed; backward only scales those gradients by the incoming one. The sum is F.cross_entropy's
-(reduction="sum", ignore_index, label_smoothing), per token or weighted per token (a sequence's mean), so
-`core.summing` takes a Projection wherever it takes logits, with the same terms and the same count.
+their softmax and their gradient: at 16,384 tokens and 152k classes, 10 GB each. Here each chunk of c tokens
+(c × V about the size of the hidden states, N × width) gets its logits, their log-sum-exp, its loss terms and — in
+the same forward, as Liger Kernel's fused kernel does — its gradients with respect to the hidden states and the
+head, then the chunk's logits are freed; backward only scales those gradients by the incoming one. The sum is
+F.cross_entropy's (reduction="sum", ignore_index, label_smoothing), per token or weighted per token (a sequence's
+mean), so `core.summing` takes a Projection wherever it takes logits, with the same terms and the same count.
 """
 from __future__ import annotations
 
