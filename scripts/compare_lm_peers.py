@@ -510,7 +510,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         if not args.vision:
             args.lengths = lengths(work)
         result = (vision_sides(args) if args.vision else lm_sides(args))[args.one_side](work)
-        print(json.dumps({k: v for k, v in result.items()}))
+        print(json.dumps(result))
         return [result]
     # each side's process gets the same arguments (argv, or the command line's)
     child_argv = (sys.argv[1:] if argv is None else list(argv)) if args.process_per_side else None
