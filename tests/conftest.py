@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import forked as fork_server
 import numpy as np
 import pytest
 import torch
@@ -37,6 +38,11 @@ torch.set_num_threads(1)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # No network here or in CI: a Hugging Face name not in the local cache fails at once instead of retrying for 24 s.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The hundreds of processes the suite starts compile accutrain's modules once, not each on its own: an editable install
+# leaves them uncompiled, and where PYTHONDONTWRITEBYTECODE is set (the development machine sets it) every process
+# would compile them again (0.3 s of CPU each).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # Timeouts end a hang, nothing else: a test proves a property, not a speed. They are generous because a 2-core machine
 # whose cores are busy with other work runs a command many times slower than an idle one (PyTorch's threads wait for
@@ -117,19 +123,35 @@ def cli_command(script: str = "accutrain") -> list[str]:
     return [found]
 
 
+def command_process(argv: list[str], cwd: Path, env: dict, fresh: bool = False, **streams: Any) -> Any:
+    """The command's process, started as subprocess.Popen would: forked from a process that has imported what every
+    accutrain command imports (tests/forked.py), unless `fresh` (the console script in a new interpreter: what a
+    test of the start itself needs; every command, with ACCUTRAIN_TESTS_FRESH=1 in pytest's environment)."""
+    fresh = fresh or os.environ.get("ACCUTRAIN_TESTS_FRESH") == "1"
+    forked = None if fresh else fork_server.popen(argv, cwd, env, **streams)
+    return forked or subprocess.Popen(argv, cwd=cwd, env=env, text=True, **streams)
+
+
 def run_cli(*args: str, cwd: Path, script: str = "accutrain", check: bool = True,
-            env: dict | None = None, timeout: int = COMMAND_S) -> subprocess.CompletedProcess:
+            env: dict | None = None, timeout: int = COMMAND_S, fresh: bool = False) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD, **(env or {})}
-    proc = subprocess.run([*cli_command(script), *args], cwd=cwd, capture_output=True, text=True, env=environment,
-                          timeout=timeout)
+    argv = [*cli_command(script), *args]
+    command = command_process(argv, cwd, environment, fresh, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = command.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        command.kill()
+        raise
+    proc = subprocess.CompletedProcess(argv, command.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"accutrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def train_run(tmp_path: Path, name: str, *args: str, check: bool = True) -> tuple[Path, subprocess.CompletedProcess]:
+def train_run(tmp_path: Path, name: str, *args: str, check: bool = True, fresh: bool = False
+              ) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path / name
-    proc = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, check=check)
+    proc = run_cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, check=check, fresh=fresh)
     return run_dir, proc
 
 
@@ -225,10 +247,10 @@ def slow(tmp_path, monkeypatch):
 
 
 def start(tmp_path: Path, name: str, *args: str) -> subprocess.Popen:
-    log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+    with open(tmp_path / f"{name}.log", "w") as log:
+        return command_process([*cli_command(), *args, f"hydra.run.dir={tmp_path / name}"], tmp_path,
+                               {**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD}, stdout=log,
+                               stderr=subprocess.STDOUT)
 
 
 def killed_at_step(tmp_path: Path, name: str, steps: int, *args: str) -> Path:

@@ -57,6 +57,7 @@ print("torch imported" if "torch" in sys.modules else "torch not imported")
 """
 
 
+@pytest.mark.xdist_group("test_recorded-finished_run")  # one worker builds the module's finished_run once
 @pytest.mark.parametrize("change, says", [
     ("model=cnn", "was trained with model=mlp; this command line gives model=cnn: resuming needs the same model"),
     ("optim=sgd", "was trained with optim=adamw; this command line gives optim=sgd: resuming needs the same optim"),
@@ -75,6 +76,7 @@ def test_a_change_the_checkpoints_cannot_take_is_one_line_before_pytorch(finishe
     assert_one_line_error(proc, says, "or choose a new hydra.run.dir")
 
 
+@pytest.mark.xdist_group("test_recorded-finished_run")  # one worker builds the module's finished_run once
 def test_a_change_that_keeps_the_windows_resumes(finished_run):
     """micro_batch=16 accum=2: the same effective batch, cut otherwise; nothing is left to train after 2 steps."""
     proc = run_cli("resume=auto", f"hydra.run.dir={finished_run}", "micro_batch=16", "accum=2", cwd=finished_run.parent)

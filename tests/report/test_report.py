@@ -38,6 +38,7 @@ def finished_run(tmp_path_factory):
     return run_dir, proc
 
 
+@pytest.mark.xdist_group("test_report-finished_run")  # one worker builds the module's finished_run once
 def test_a_run_records_its_status_and_draws_its_loss(finished_run):
     run_dir, proc = finished_run
     record = status(run_dir)
@@ -48,6 +49,7 @@ def test_a_run_records_its_status_and_draws_its_loss(finished_run):
     assert "warning" not in proc.stderr
 
 
+@pytest.mark.xdist_group("test_report-finished_run")  # one worker builds the module's finished_run once
 def test_report_on_a_single_run(finished_run, tmp_path):
     run_dir = shutil.copytree(finished_run[0], tmp_path / "run")
     (run_dir / "loss.png").unlink()
@@ -84,6 +86,7 @@ def half_finished(finished_run, tmp_path, pid):
     return run_dir
 
 
+@pytest.mark.xdist_group("test_report-finished_run")  # one worker builds the module's finished_run once
 def test_report_on_a_killed_run(finished_run, tmp_path):
     run_dir = half_finished(finished_run, tmp_path, dead_pid())
     proc = run_cli(str(run_dir), cwd=tmp_path, script="accutrain-report")
@@ -93,6 +96,7 @@ def test_report_on_a_killed_run(finished_run, tmp_path):
     assert "interrupted" in proc.stdout and "Traceback" not in proc.stderr
 
 
+@pytest.mark.xdist_group("test_report-finished_run")  # one worker builds the module's finished_run once
 def test_report_on_a_running_run(finished_run, tmp_path):
     run_dir = half_finished(finished_run, tmp_path, os.getpid())  # this process is alive: the run is running
     proc = run_cli(str(run_dir), cwd=tmp_path, script="accutrain-report")

@@ -33,6 +33,7 @@ def sweep(tmp_path_factory):
     return tmp / "sweep", proc
 
 
+@pytest.mark.xdist_group("test_sweeps-sweep")  # one worker builds the module's sweep once
 def test_multirun_summarises_every_job_and_goes_on_past_a_failing_one(sweep):
     sweep_dir, proc = sweep
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the sweep ran to the end, and says a job failed
@@ -75,7 +76,7 @@ def test_multirun_summarises_every_job_and_goes_on_past_a_failing_one(sweep):
     assert len(errors) == 1 and "micro_batch=0" in errors[0]
 
 
-
+@pytest.mark.xdist_group("test_sweeps-sweep")  # one worker builds the module's sweep once
 def test_the_sweeps_stdout_is_its_table_and_hydras_launch_lines_are_on_stderr(sweep):
     """docs/outputs.md's recipe, `accutrain -m … > table.md`, gives a file that starts with the table."""
     sweep_dir, proc = sweep
@@ -84,6 +85,8 @@ def test_the_sweeps_stdout_is_its_table_and_hydras_launch_lines_are_on_stderr(sw
     assert proc.stdout.startswith(f"{sweep_dir}: 3 runs, 2 completed, 1 failed\n"), proc.stdout[:300]
     assert "\n| job | overrides " in proc.stdout
 
+
+@pytest.mark.xdist_group("test_sweeps-sweep")  # one worker builds the module's sweep once
 def test_report_rebuilds_the_same_summary_of_a_finished_sweep(sweep, tmp_path):
     sweep_dir, _ = sweep
     copy = shutil.copytree(sweep_dir, tmp_path / "sweep")

@@ -286,7 +286,8 @@ def test_host_memory_holds_one_micro_batch_whatever_the_window(tmp_path, terms):
     peaks = {}
     for global_batch in (64, 4096):
         run_dir, _ = train_run(tmp_path, f"g{global_batch}", *HOST_MEMORY[terms], "micro_batch=8",
-                               f"global_batch={global_batch}", "trainer.max_steps=1", "trainer.progress=false")
+                               f"global_batch={global_batch}", "trainer.max_steps=1", "trainer.progress=false",
+                               fresh=True)  # the process's own resident set, from a fresh interpreter
         (step,), _ = read_metrics(run_dir)
         assert step["samples"] == global_batch
         peaks[global_batch] = step["peak_mem_mb"]
