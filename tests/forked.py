@@ -6,12 +6,14 @@ small test run's. conftest.run_cli and conftest.start go through it; a test whos
 interpreter (what is imported before a refusal, Ctrl-C while importing, a process's peak memory) asks for the console
 script itself (`fresh=True`).
 
-The server (`python tests/forked.py SOCKET`, one per pytest process) imports, then answers each connection: a JSON
-request (argv, cwd, environment) with the command's stdin, stdout and stderr as file descriptors; it forks the command,
-sends its pid, and when it ends its exit code as subprocess reports it (-N: killed by signal N)."""
+The server (this file, run by `python -c "…runpy.run_path…" tests/forked.py SOCKET`, one per pytest process) imports,
+then answers each connection: a JSON request (argv, cwd, environment) with the command's stdin, stdout and stderr as
+file descriptors; it forks the command, sends its pid, and when it ends its exit code as subprocess reports it (-N:
+killed by signal N)."""
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import json
 import os
 import selectors
@@ -30,8 +32,9 @@ PRELOAD = ["torch", "torch._dynamo", "torch.optim", "torch.utils.data", "numpy",
            "hydra._internal.hydra", "hydra._internal.utils", "hydra.core.utils", "matplotlib.figure",
            "matplotlib.backends.backend_agg", "accutrain.cli.main", "accutrain.cli.command", "accutrain.cli.job",
            "accutrain.cli.report", "accutrain.runtime.launch", "accutrain.train.build"]
-ENTRY = {"accutrain": ("accutrain.cli.main", "main"), "accutrain-check": ("accutrain.cli.main", "check_main"),
-         "accutrain-report": ("accutrain.cli.report", "main")}
+# the console scripts and their entry points, as the installed package declares them (pyproject.toml)
+ENTRY = {point.name: tuple(point.value.split(":")) for point in importlib.metadata.distribution("accutrain").entry_points
+         if point.group == "console_scripts"}
 INT = struct.Struct("i")
 
 
