@@ -33,8 +33,8 @@ PRELOAD = ["torch", "torch._dynamo", "torch.optim", "torch.utils.data", "numpy",
            "matplotlib.backends.backend_agg", "accutrain.cli.main", "accutrain.cli.command", "accutrain.cli.job",
            "accutrain.cli.report", "accutrain.runtime.launch", "accutrain.train.build"]
 # the console scripts and their entry points, as the installed package declares them (pyproject.toml)
-ENTRY = {point.name: tuple(point.value.split(":")) for point in importlib.metadata.distribution("accutrain").entry_points
-         if point.group == "console_scripts"}
+ENTRY = {point.name: tuple(point.value.split(":"))
+         for point in importlib.metadata.distribution("accutrain").entry_points if point.group == "console_scripts"}
 INT = struct.Struct("i")
 
 
